@@ -1,0 +1,35 @@
+# The two commands of the README: `make serve` and `make test`. Each sets up .venv first
+# (idempotent: reinstalls only when pyproject.toml changed).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mixbit-installed
+# MLX's Linux wheel bundles a reference BLAS; Debian's OpenBLAS preloaded made fp32 prefill ~4x
+# faster here. Used when present, installed by `setup` when apt-get is available as root.
+OPENBLAS = $(firstword $(wildcard /usr/lib/*/openblas-pthread/libopenblas.so.0))
+RUN = $(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) ,)
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,train]"
+	@if [ -z "$(OPENBLAS)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1)) \
+		|| echo "note: OpenBLAS not installed; MLX uses its bundled BLAS (slower prefill)"; \
+	fi
+	@touch $@
+
+serve: setup
+	$(RUN)$(VENV)/bin/mixbit chat "What's the weather in Oslo?" --tools examples/weather.json
+
+test: setup
+	$(RUN)$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Model sources, the embedded checkpoint and the code that made it."""

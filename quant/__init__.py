@@ -1,0 +1,1 @@
+"""Quantization: calibration, sensitivity, bit allocation, AWQ, recipes, artifacts."""

@@ -1,0 +1,50 @@
+"""`mixbit eval`: the held-out numbers of one model, as a table and as JSON."""
+
+from __future__ import annotations
+
+import time
+
+from mixbit.models import corpus
+from mixbit.models.loading import LoadedModel
+
+from .evaluate import heldout_loss_by_kind, tool_call_eval
+
+
+def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs: int = 300,
+                   thinking: bool = False) -> dict:
+    started = time.time()
+    losses = heldout_loss_by_kind(lm, corpus.heldout_documents(n_docs))
+    pool = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(n_plain))
+    made_up = tool_call_eval(lm, corpus.heldout_tool_prompts(max(n_tool // 2, 1), made_up=True))
+    result = {
+        "model": lm.resolved.source,
+        "heldout_loss": losses,
+        "tool_calls": {"n_tool_prompts": pool.n_tool, "n_plain_prompts": pool.n_plain, **pool.rates()},
+        "made_up_values": {"n": made_up.n_tool, **{k: v for k, v in made_up.rates().items()
+                                                   if k != "plain_answer"}},
+        "examples_of_failures": pool.failures[:8],
+    }
+    if thinking:
+        think = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(n_plain),
+                               enable_thinking=True)
+        result["tool_calls_thinking"] = think.rates()
+    result["seconds"] = round(time.time() - started, 1)
+    lines = [f"model: {lm.resolved.source}", "", "held-out loss on assistant tokens (nats/token):"]
+    lines += [f"  {kind:<10} {value:.3f}" for kind, value in losses.items()]
+    r = result["tool_calls"]
+    lines += ["", f"tool calls, {r['n_tool_prompts']} held-out prompts (values from training pools):",
+              f"  well-formed call      {r['well_formed']:.1%}",
+              f"  right function        {r['right_function']:.1%}",
+              f"  exact arguments       {r['exact_args']:.1%}",
+              f"plain answer, {r['n_plain_prompts']} prompts needing no tool: {r['plain_answer']:.1%}",
+              f"made-up values never seen ({made_up.n_tool} prompts): well-formed "
+              f"{made_up.rates()['well_formed']:.1%}, right function "
+              f"{made_up.rates()['right_function']:.1%}, exact arguments {made_up.rates()['exact_args']:.1%}"]
+    if thinking:
+        t = result["tool_calls_thinking"]
+        lines.append(f"with thinking on: well-formed {t['well_formed']:.1%}, right function "
+                     f"{t['right_function']:.1%}, exact arguments {t['exact_args']:.1%}, "
+                     f"plain answer {t['plain_answer']:.1%}")
+    lines.append(f"({result['seconds']} s)")
+    result["table"] = "\n".join(lines)
+    return result

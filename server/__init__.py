@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server, its settings and the mixbit CLI."""

@@ -1,0 +1,225 @@
+"""The `mixbit` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .settings import SECTIONS, SettingsError, default_config_path, load_settings, parse_assignment
+
+# CLI flags that mirror config keys: flag -> (section, key)
+MIRRORED = {
+    "model": ("model", "source"), "revision": ("model", "revision"),
+    "recipe": ("quant", "recipe"), "host": ("server", "host"), "port": ("server", "port"),
+    "dtype": ("generation", "compute_dtype"), "seed": ("generation", "seed"),
+}
+
+
+def _add_settings_flags(p: argparse.ArgumentParser, flags: tuple[str, ...]) -> None:
+    p.add_argument("--config", help="config.toml to read (default: ./config.toml if present)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key, e.g. --set server.port=8001")
+    for flag in flags:
+        section, key = MIRRORED[flag]
+        field = SECTIONS[section].model_fields[key]
+        p.add_argument(f"--{flag}", default=None, help=f"{section}.{key}: {field.description or ''}")
+
+
+def _settings(args: argparse.Namespace, flags: tuple[str, ...]):
+    cli: dict[str, dict[str, Any]] = {}
+    for text in args.set:
+        section, key, value = parse_assignment(text)
+        cli.setdefault(section, {})[key] = value
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value is not None:
+            section, key = MIRRORED[flag]
+            cli.setdefault(section, {})[key] = value
+    return load_settings(args.config or default_config_path(), cli)
+
+
+def _load(settings):
+    from mixbit.models.loading import load
+    from mixbit.models.registry import resolve
+
+    m = settings.model
+    resolved = resolve(m.source, m.revision, m.hub_cache_dir or None, m.allow_download)
+    return load(resolved, settings.generation.compute_dtype)
+
+
+def _sampler(settings, temperature: float | None, top_p: float | None):
+    from mlx_lm.sample_utils import make_sampler
+
+    t = settings.generation.temperature if temperature is None else temperature
+    p = settings.generation.top_p if top_p is None else top_p
+    return make_sampler(temp=t, top_p=p)
+
+
+GEN_FLAGS = ("model", "revision", "dtype", "seed")
+
+
+def cmd_generate(args) -> int:
+    import mlx.core as mx
+    from mlx_lm import generate
+
+    settings = _settings(args, GEN_FLAGS)
+    lm = _load(settings)
+    mx.random.seed(settings.generation.seed)
+    text = generate(lm.model, lm.tokenizer, args.prompt, max_tokens=args.max_tokens,
+                    sampler=_sampler(settings, args.temperature, args.top_p))
+    print(text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    import mlx.core as mx
+    from mlx_lm import generate
+
+    from mixbit.models.loading import prompt_opens_think, render_chat
+    from mixbit.models.toolcall import parse_output, parser_for_template
+
+    settings = _settings(args, GEN_FLAGS)
+    tools = None
+    if args.tools:
+        try:
+            tools = json.loads(Path(args.tools).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SettingsError(f"--tools {args.tools}: cannot read a JSON list of tools ({exc})") from None
+        if isinstance(tools, dict):
+            tools = [tools]
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.message})
+    lm = _load(settings)
+    think = settings.generation.enable_thinking if args.think is None else args.think
+    prompt = render_chat(lm.tokenizer, messages, tools, enable_thinking=think)
+    mx.random.seed(settings.generation.seed)
+    text = generate(lm.model, lm.tokenizer, prompt, max_tokens=args.max_tokens,
+                    sampler=_sampler(settings, args.temperature, args.top_p))
+    parsed = parse_output(text, parser_for_template(lm.chat_template), tools, prompt_opens_think(prompt))
+    if args.json:
+        print(json.dumps({"reasoning": parsed.reasoning, "content": parsed.content,
+                          "tool_calls": [{"name": c.name, "arguments": c.arguments}
+                                         for c in parsed.tool_calls],
+                          "errors": parsed.errors}, indent=2))
+        return 0
+    if parsed.reasoning:
+        print(f"[reasoning] {parsed.reasoning}")
+    for call in parsed.tool_calls:
+        print(f"[tool call] {call.name}({json.dumps(call.arguments)})")
+    for err in parsed.errors:
+        print(f"[malformed] {err}")
+    if parsed.content:
+        print(parsed.content)
+    return 0
+
+
+def cmd_train_tiny(args) -> int:
+    try:
+        from mixbit.models.train import TrainConfig, export_from_checkpoint, train
+        import torch  # noqa: F401
+    except ImportError:
+        raise SettingsError("train-tiny needs PyTorch: pip install 'mixbit[train]'") from None
+    cfg = TrainConfig()
+    for text in args.set_train:
+        key, _, value = text.partition("=")
+        if key not in TrainConfig.__dataclass_fields__:
+            raise SettingsError(f"--train {key}: unknown; known: {', '.join(TrainConfig.__dataclass_fields__)}")
+        setattr(cfg, key, type(getattr(cfg, key))(value))
+    if args.out:
+        cfg.out = args.out
+    if args.work_dir:
+        cfg.work_dir = args.work_dir
+    if args.export_only:
+        print(f"wrote {export_from_checkpoint(cfg, Path(args.out) if args.out else None)}")
+        return 0
+    train(cfg, max_minutes=args.max_minutes)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from mixbit.quant.report import run_model_eval
+
+    settings = _settings(args, GEN_FLAGS)
+    lm = _load(settings)
+    report = run_model_eval(lm, n_tool=args.n_tool, n_plain=args.n_plain, n_docs=args.n_docs,
+                            thinking=args.think)
+    print(report["table"])
+    if args.out:
+        Path(args.out).write_text(json.dumps({k: v for k, v in report.items() if k != "table"},
+                                             indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    settings = _settings(args, tuple(MIRRORED))
+    print(json.dumps(settings.model_dump(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mixbit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="one-shot completion of raw text (no chat template)")
+    p.add_argument("prompt")
+    _add_settings_flags(p, GEN_FLAGS)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="one chat turn through the model's chat template, tools optional")
+    p.add_argument("message")
+    p.add_argument("--tools", help="JSON file with a list of OpenAI-style tools")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="enable_thinking for the template (default: generation.enable_thinking)")
+    p.add_argument("--json", action="store_true", help="print the parsed message as JSON")
+    _add_settings_flags(p, GEN_FLAGS)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("train-tiny", help="train the embedded tiny Qwen3.5 (needs mixbit[train])")
+    p.add_argument("--out", help="checkpoint folder to write (default: models/tiny-qwen3.5)")
+    p.add_argument("--work-dir", help="where the tokenizer and resumable checkpoints live")
+    p.add_argument("--max-minutes", type=float, help="stop (resumably) after this long")
+    p.add_argument("--train", dest="set_train", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a TrainConfig field, e.g. --train steps=200")
+    p.add_argument("--export-only", action="store_true",
+                   help="write the latest checkpoint of the run as a model folder, do not train")
+    p.set_defaults(func=cmd_train_tiny)
+
+    p = sub.add_parser("eval", help="held-out loss per data kind and tool-call accuracy")
+    _add_settings_flags(p, GEN_FLAGS)
+    p.add_argument("--n-tool", type=int, default=120, help="held-out prompts that need a tool")
+    p.add_argument("--n-plain", type=int, default=60, help="held-out prompts that need none")
+    p.add_argument("--n-docs", type=int, default=300, help="held-out documents for the loss")
+    p.add_argument("--think", action="store_true", help="also evaluate with thinking on")
+    p.add_argument("--out", help="write the numbers as JSON here")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("config", help="print the effective settings")
+    _add_settings_flags(p, tuple(MIRRORED))
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mixbit.models.registry import ModelSourceError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SettingsError, ModelSourceError) as exc:
+        print(f"mixbit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

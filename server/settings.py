@@ -1,0 +1,183 @@
+"""Settings: config.toml < environment (MIXBIT_<SECTION>_<KEY>) < CLI flags, validated once.
+
+Every key lives in a section of config.toml (`[model] source = ...`). The environment variable
+for a key is MIXBIT_ + section + _ + key in capitals (MIXBIT_SERVER_PORT=8001). The CLI takes the
+common keys as flags (--port 8001) and any key as --set section.key=value. A wrong key or value
+stops start-up with one message that names the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSettings(_Section):
+    source: str = Field("embedded:tiny-qwen3.5", description="embedded:<name>, a local folder "
+                        "in Hugging Face layout, or a hub repo id such as Qwen/Qwen3.5-2B")
+    revision: str = Field("main", description="hub revision (branch, tag or commit)")
+    cache_dir: str = Field("~/.cache/mixbit", description="quantized variants")
+    hub_cache_dir: str = Field("", description="hub downloads; empty: Hugging Face's default cache")
+    allow_download: bool = Field(True, description="fetch hub ids that are not cached yet")
+    served_name: str = Field("", description="model id clients use; default: derived from source")
+
+
+class QuantSettings(_Section):
+    # Only recipes that exist are accepted; the quantization issue adds the mixed-bit ones.
+    recipe: Literal["bf16"] = Field("bf16", description="bf16: serve the checkpoint unquantized")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list, description="empty: no auth")
+    cors_origins: list[str] = Field(default_factory=list, description="empty: CORS off")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_prompt_tokens: int = Field(0, ge=0, description="0: the model's context length")
+    max_concurrent_sequences: int = Field(16, ge=1, le=1024)
+    max_queue: int = Field(64, ge=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class GenerationSettings(_Section):
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, the checkpoint's dtype on GPU")
+    max_tokens: int = Field(512, ge=1, description="default when a request names none")
+    temperature: float = Field(0.7, ge=0.0, le=2.0)
+    top_p: float = Field(0.8, gt=0.0, le=1.0)
+    enable_thinking: bool = Field(False, description="default for chat_template_kwargs")
+    seed: int = 0
+
+
+class Settings(_Section):
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    quant: QuantSettings = Field(default_factory=QuantSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelSettings, "quant": QuantSettings, "server": ServerSettings,
+    "generation": GenerationSettings,
+}
+ENV_PREFIX = "MIXBIT_"
+
+
+class SettingsError(ValueError):
+    """A bad config key or value; the message names the key and what it accepts."""
+
+
+def _known(section: str) -> str:
+    return ", ".join(SECTIONS[section].model_fields)
+
+
+def _coerce_env(section: str, key: str, raw: str) -> Any:
+    annotation = SECTIONS[section].model_fields[key].annotation
+    if annotation is not None and getattr(annotation, "__origin__", None) is list:
+        raw = raw.strip()
+        if raw.startswith("["):
+            return json.loads(raw)
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    return raw
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    environ = dict(os.environ if environ is None else environ)
+    out: dict[str, dict[str, Any]] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in ("MIXBIT_CONFIG",):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            raise SettingsError(f"environment variable {name}: unknown section; expected "
+                                f"MIXBIT_<SECTION>_<KEY> with SECTION one of {', '.join(SECTIONS)}")
+        key = rest[len(section) + 1:]
+        if key not in SECTIONS[section].model_fields:
+            raise SettingsError(f"environment variable {name}: unknown key '{section}.{key}'; "
+                                f"known keys in [{section}]: {_known(section)}")
+        out.setdefault(section, {})[key] = _coerce_env(section, key, raw)
+    return out
+
+
+def parse_assignment(text: str) -> tuple[str, str, Any]:
+    """'server.port=8001' -> ('server', 'port', 8001); values parse as TOML when they can."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise SettingsError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. server.port=8001")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in extra.items():
+        if not isinstance(values, dict):
+            out[section] = values
+            continue
+        out.setdefault(section, {})
+        if not isinstance(out[section], dict):
+            out[section] = {}
+        out[section].update(values)
+    return out
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        loc = [str(p) for p in e["loc"]]
+        where = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            if len(loc) == 1:
+                lines.append(f"unknown section [{where}]; known sections: {', '.join(SECTIONS)}")
+            else:
+                lines.append(f"unknown key '{where}'; known keys in [{loc[0]}]: {_known(loc[0])}")
+            continue
+        allowed = ""
+        if e["type"] == "literal_error":
+            allowed = f" (allowed: {e['ctx']['expected']})"
+        lines.append(f"{where}: {e['msg']}{allowed}; got {e.get('input')!r}")
+    return "invalid settings: " + "; ".join(lines)
+
+
+def load_settings(config_path: str | Path | None = None, cli: dict[str, dict[str, Any]] | None = None,
+                  environ: dict[str, str] | None = None) -> Settings:
+    """Builds the settings from the three layers; raises SettingsError naming the bad key."""
+    data: dict[str, Any] = {}
+    environ = dict(os.environ if environ is None else environ)
+    path = config_path or environ.get("MIXBIT_CONFIG")
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise SettingsError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {p} is not valid TOML: {exc}") from None
+    data = _merge(data, env_overrides(environ))
+    data = _merge(data, cli or {})
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(_explain(exc)) from None
+
+
+def default_config_path() -> Path | None:
+    """./config.toml when it exists (the repository's own, documented key by key)."""
+    p = Path("config.toml")
+    return p if p.is_file() else None

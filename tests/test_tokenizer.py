@@ -1,0 +1,58 @@
+"""Training and serving tokenize identically: `tokenizers`, transformers and mlx-lm agree.
+
+transformers forces its Qwen3_5Tokenizer (with Qwen's own pre-tokenizer) on every qwen3_5
+checkpoint, and mlx-lm loads through transformers; the embedded tokenizer is built so that this
+changes nothing (see models/tokenizer.py).
+"""
+
+import random
+
+import pytest
+
+TRICKY = [
+    "def f(x):\n    return x  \n\n\n  y\t\tz", "What's the weather in Oslo?", "It's 5 o'clock, isn't it?",
+    "héllo wörld — ünïcode 東京 🙂", "a  b   c\r\nd", "  leading and trailing  ", "<tool_call>\n<function=x>\n",
+    '{"a": [1, 2.5, "x"], "b": null}', "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers_three(embedded_path):
+    from mlx_lm import load
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    raw = Tokenizer.from_file(str(embedded_path / "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(str(embedded_path))
+    _, wrapper = load(str(embedded_path))
+    return raw, auto, wrapper
+
+
+def test_same_ids_everywhere(tokenizers_three):
+    from mixbit.models import corpus
+    from mixbit.models.train import render
+
+    raw, auto, wrapper = tokenizers_three
+    rng = random.Random(11)
+    texts = TRICKY + [render(auto, corpus.document(rng, corpus.MIX)) for _ in range(60)]
+    for text in texts:
+        ids = raw.encode(text, add_special_tokens=False).ids
+        assert auto.encode(text, add_special_tokens=False) == ids, text[:60]
+        assert wrapper.encode(text, add_special_tokens=False) == ids, text[:60]
+        assert auto.decode(ids) == text
+
+
+def test_a_word_is_the_same_tokens_after_space_newline_and_start(tokenizers_three):
+    raw, _, _ = tokenizers_three
+    for word in ["Oslo", "Zuvaleth", "AAPL", "Buenos Aires"]:
+        alone = raw.encode(word, add_special_tokens=False).ids
+        assert raw.encode(" " + word, add_special_tokens=False).ids[1:] == alone
+        assert raw.encode("\n" + word, add_special_tokens=False).ids[1:] == alone
+
+
+def test_special_tokens_are_single_ids(tokenizers_three):
+    _, auto, _ = tokenizers_three
+    for t in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>",
+              "</tool_call>", "<tool_response>", "</tool_response>"]:
+        assert len(auto.encode(t, add_special_tokens=False)) == 1, t
+    assert auto.eos_token == "<|im_end|>"
