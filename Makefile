@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 serve: setup
-	$(RUN)$(VENV)/bin/mixbit chat "What's the weather in Oslo?" --tools examples/weather.json
+	$(RUN)$(VENV)/bin/mixbit serve
 
 test: setup
 	$(RUN)$(PY) -m pytest -q

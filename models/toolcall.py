@@ -32,19 +32,6 @@ class ParsedOutput:
     errors: list[str] = field(default_factory=list)  # malformed calls, kept out of content
 
 
-def split_reasoning(text: str, prompt_opened_think: bool) -> tuple[str | None, str]:
-    """(reasoning, rest). The chat template may already have opened `<think>` in the prompt."""
-    if prompt_opened_think or text.lstrip().startswith(THINK_OPEN):
-        body = text.lstrip()
-        if body.startswith(THINK_OPEN):
-            body = body[len(THINK_OPEN):]
-        if THINK_CLOSE in body:
-            reasoning, rest = body.split(THINK_CLOSE, 1)
-            return reasoning.strip() or None, rest.lstrip("\n")
-        return body.strip() or None, ""  # never closed: all of it was reasoning
-    return None, text
-
-
 def _schema_of(tools: list[dict] | None, name: str) -> dict:
     for tool in tools or []:
         fn = tool.get("function", tool)
@@ -126,31 +113,156 @@ def parser_for_template(chat_template: str | None) -> XmlToolParser | JsonToolPa
     return PARSERS["qwen_json"]
 
 
-def extract_tool_calls(text: str, parser, tools: list[dict] | None) -> tuple[str, list[ToolCall], list[str]]:
-    """(text with the call blocks removed, calls, errors). An unclosed final block still parses."""
-    calls, errors, kept = [], [], []
-    pos = 0
-    while (start := text.find(CALL_OPEN, pos)) != -1:
-        kept.append(text[pos:start])
-        end = text.find(CALL_CLOSE, start)
-        body = text[start + len(CALL_OPEN): end if end != -1 else len(text)]
+@dataclass
+class OutputEvent:
+    """One piece of parsed output: kind is reasoning, content, call_start, call_args or error."""
+    kind: str
+    text: str = ""
+    index: int = 0
+    name: str = ""
+
+
+def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+class StreamingOutputParser:
+    """Splits generated text, as it arrives, into reasoning, content and tool calls.
+
+    Markup is held back until it is unambiguous, so no `<tool_call>` or `<think>` text ever
+    reaches content; a tool call is announced (name) as soon as `<function=NAME>` is complete and
+    its arguments are released, typed by the schema, when its block closes. Feeding a whole text
+    at once gives exactly the result of feeding it piece by piece.
+    """
+
+    def __init__(self, parser, tools: list[dict] | None, prompt_opened_think: bool,
+                 parse_tools: bool = True):
+        self.parser = parser
+        self.tools = tools
+        self.parse_tools = bool(tools) and parse_tools
+        self.mode = "reasoning" if prompt_opened_think else "start"
+        self.return_mode = "content"
+        self.buf = ""
+        self.calls: list[ToolCall] = []
+        self.announced = False
+        self.content_started = False
+        self.pending_ws = ""
+
+    def _content(self, text: str, final: bool = False) -> list[OutputEvent]:
+        if not self.content_started:
+            text = text.lstrip()
+            if not text:
+                return []
+            self.content_started = True
+        text = self.pending_ws + text
+        stripped = text if final else text.rstrip()
+        self.pending_ws = "" if final else text[len(stripped):]
+        return [OutputEvent("content", stripped)] if stripped else []
+
+    def feed(self, delta: str) -> list[OutputEvent]:
+        self.buf += delta
+        return self._drain(final=False)
+
+    def finish(self) -> list[OutputEvent]:
+        events = self._drain(final=True)
+        if self.mode == "tool":
+            events += self._close_call(self.buf)
+            self.buf = ""
+        elif self.buf:
+            kind = "reasoning" if self.mode == "reasoning" else "content"
+            events += ([OutputEvent("reasoning", self.buf)] if kind == "reasoning"
+                       else self._content(self.buf, final=False))
+            self.buf = ""
+        return events
+
+    def _close_call(self, body: str) -> list[OutputEvent]:
+        index = len(self.calls)
         try:
-            calls.append(parser.parse_call(body, tools))
+            call = self.parser.parse_call(body, self.tools)
         except (ValueError, json.JSONDecodeError) as exc:
-            errors.append(f"unparsable tool call: {exc}")
-        pos = len(text) if end == -1 else end + len(CALL_CLOSE)
-    kept.append(text[pos:])
-    return "".join(kept), calls, errors
+            self.announced = False
+            return [OutputEvent("error", f"unparsable tool call: {exc}", index=index)]
+        self.calls.append(call)
+        events = [] if self.announced else [OutputEvent("call_start", index=index, name=call.name)]
+        self.announced = False
+        return events + [OutputEvent("call_args", json.dumps(call.arguments, ensure_ascii=False),
+                                     index=index, name=call.name)]
+
+    def _drain(self, final: bool) -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        while self.buf:
+            if self.mode == "start":
+                head = self.buf.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.buf = head[len(THINK_OPEN):]
+                    self.mode = "reasoning"
+                    continue
+                if not final and THINK_OPEN.startswith(head):
+                    break  # could still become <think>
+                self.mode = "content"
+                continue
+            if self.mode == "reasoning":
+                ends = [(self.buf.find(THINK_CLOSE), THINK_CLOSE)]
+                if self.parse_tools:
+                    ends.append((self.buf.find(CALL_OPEN), CALL_OPEN))
+                found = [(i, m) for i, m in ends if i != -1]
+                if found:
+                    i, marker = min(found)
+                    if i:
+                        events.append(OutputEvent("reasoning", self.buf[:i]))
+                    self.buf = self.buf[i + len(marker):]
+                    if marker == THINK_CLOSE:
+                        self.buf = self.buf.lstrip("\n")
+                        self.mode = "content"
+                    else:
+                        self.return_mode, self.mode = "reasoning", "tool"
+                    continue
+                keep = 0 if final else _partial_suffix(self.buf, tuple(m for _, m in ends))
+                if len(self.buf) > keep:
+                    events.append(OutputEvent("reasoning", self.buf[:len(self.buf) - keep]))
+                    self.buf = self.buf[len(self.buf) - keep:]
+                break
+            if self.mode == "content":
+                i = self.buf.find(CALL_OPEN) if self.parse_tools else -1
+                if i != -1:
+                    events += self._content(self.buf[:i])
+                    self.buf = self.buf[i + len(CALL_OPEN):]
+                    self.return_mode, self.mode = "content", "tool"
+                    continue
+                keep = 0 if (final or not self.parse_tools) else _partial_suffix(self.buf, (CALL_OPEN,))
+                if len(self.buf) > keep:
+                    events += self._content(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                break
+            if self.mode == "tool":
+                end = self.buf.find(CALL_CLOSE)
+                if not self.announced:
+                    m = re.search(r"<function=([^>\n]+)>", self.buf)
+                    if m:
+                        self.announced = True
+                        events.append(OutputEvent("call_start", index=len(self.calls),
+                                                  name=m.group(1).strip()))
+                if end == -1:
+                    break
+                events += self._close_call(self.buf[:end])
+                self.buf = self.buf[end + len(CALL_CLOSE):]
+                self.mode = self.return_mode
+                continue
+        return events
 
 
 def parse_output(text: str, parser, tools: list[dict] | None, prompt_opened_think: bool) -> ParsedOutput:
-    reasoning, rest = split_reasoning(text, prompt_opened_think)
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    if reasoning and CALL_OPEN in reasoning and tools:
-        # Qwen3.5 sometimes opens its call before closing </think>; the call is not lost.
-        reasoning, calls, errors = extract_tool_calls(reasoning, parser, tools)
-        reasoning = reasoning.strip() or None
-    content, more, more_errors = extract_tool_calls(rest, parser, tools) if tools else (rest, [], [])
-    return ParsedOutput(content=content.strip(), reasoning=reasoning, tool_calls=calls + more,
-                        errors=errors + more_errors)
+    """Whole-text parse: the streaming parser fed in one piece, so both paths always agree."""
+    sp = StreamingOutputParser(parser, tools, prompt_opened_think)
+    events = sp.feed(text) + sp.finish()
+    reasoning = "".join(e.text for e in events if e.kind == "reasoning").strip() or None
+    content = "".join(e.text for e in events if e.kind == "content").strip()
+    return ParsedOutput(content=content, reasoning=reasoning, tool_calls=list(sp.calls),
+                        errors=[e.text for e in events if e.kind == "error"])

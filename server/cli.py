@@ -154,6 +154,26 @@ def cmd_eval(args) -> int:
     return 0
 
 
+SERVE_FLAGS = ("model", "revision", "recipe", "host", "port", "dtype")
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from .app import create_app
+
+    settings = _settings(args, SERVE_FLAGS)
+    level = settings.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.server.host, port=settings.server.port,
+                log_level=settings.server.log_level, timeout_graceful_shutdown=int(
+                    settings.server.shutdown_grace_s) + 1)
+    return 0
+
+
 def cmd_config(args) -> int:
     settings = _settings(args, tuple(MIRRORED))
     print(json.dumps(settings.model_dump(), indent=2))
@@ -203,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think", action="store_true", help="also evaluate with thinking on")
     p.add_argument("--out", help="write the numbers as JSON here")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    _add_settings_flags(p, SERVE_FLAGS)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the effective settings")
     _add_settings_flags(p, tuple(MIRRORED))

@@ -1,5 +1,7 @@
 """Whole-text parsing of reasoning and tool calls in both Qwen formats."""
 
+import json
+
 from mixbit.models.catalogue import FUNCTIONS_BY_NAME
 from mixbit.models.toolcall import (JsonToolParser, XmlToolParser, convert_value, parse_output,
                                     parser_for_template)
@@ -80,3 +82,57 @@ def test_convert_value():
     assert convert_value("Oslo", {"type": "string"}) == "Oslo"
     assert convert_value("007", {"type": "string"}) == "007"
     assert convert_value("abc", {"type": "integer"}) == "abc"  # left as text; validation reports it
+
+
+def stream_all(text, tools=TOOLS, opened=False, step=1):
+    from mixbit.models.toolcall import StreamingOutputParser
+
+    sp = StreamingOutputParser(XML, tools, opened)
+    events = []
+    for i in range(0, len(text), step):
+        events += sp.feed(text[i:i + step])
+    return events + sp.finish()
+
+
+CASES = [
+    ("plain answer", False),
+    ("reasoning here\n</think>\n\nThe answer." , True),
+    ("thinking\n</think>\n\n" + call("get_weather", city="Oslo"), True),
+    ("Let me check.\n\n" + call("set_timer", minutes="5") + "\n" + call("get_weather", city="Rome"), False),
+    ("<think>\nself opened\n</think>\n\nok", False),
+    ("I call " + call("get_weather", city="Oslo") + "\n</think>\n\nDone.", True),
+    ("a < b and <tool but not a call", False),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOs", False),
+]
+
+
+def test_streaming_equals_whole_text_at_every_split():
+    for text, opened in CASES:
+        whole = parse_output(text, XML, TOOLS, opened)
+        for step in (1, 2, 3, 7):
+            events = stream_all(text, opened=opened, step=step)
+            content = "".join(e.text for e in events if e.kind == "content")
+            reasoning = "".join(e.text for e in events if e.kind == "reasoning").strip() or None
+            assert content == whole.content, (text, step, content)
+            assert reasoning == whole.reasoning, (text, step)
+            starts = [e.name for e in events if e.kind == "call_start"]
+            assert starts == [c.name for c in whole.tool_calls]
+            args = [json.loads(e.text) for e in events if e.kind == "call_args"]
+            assert args == [c.arguments for c in whole.tool_calls]
+            assert "<tool_call>" not in content and "<think>" not in content
+
+
+def test_call_name_is_announced_before_its_arguments():
+    text = call("get_weather", city="Oslo")
+    from mixbit.models.toolcall import StreamingOutputParser
+
+    sp = StreamingOutputParser(XML, TOOLS, False)
+    first = sp.feed(text[: text.index("<parameter")])
+    assert [e.kind for e in first] == ["call_start"] and first[0].name == "get_weather"
+    rest = sp.feed(text[text.index("<parameter"):]) + sp.finish()
+    assert [e.kind for e in rest] == ["call_args"] and json.loads(rest[0].text) == {"city": "Oslo"}
+
+
+def test_without_tools_markup_is_plain_text():
+    out = parse_output(call("get_weather", city="Oslo"), XML, None, False)
+    assert not out.tool_calls and out.content.startswith("<tool_call>")

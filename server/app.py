@@ -1,0 +1,673 @@
+"""The FastAPI app: start-up, readiness, auth and limits, and the OpenAI routes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from mixbit.models.loading import LoadedModel, load, prompt_opens_think, render_chat
+from mixbit.models.registry import ModelSourceError, resolve
+from mixbit.models.toolcall import StreamingOutputParser, parser_for_template
+
+from . import errors
+from .engine import Engine, FinishEvent, TokenEvent, async_emitter
+from .errors import APIError
+from .protocol import (UNSUPPORTED, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                       ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChoiceLogprobs, Completion,
+                       CompletionChoice, CompletionLogprobs, CompletionRequest, FunctionCallOut, ModelCard,
+                       ModelList, PromptTokensDetails, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
+                       Usage, new_id)
+from .sampling import SamplingParams
+from .settings import Settings
+
+log = logging.getLogger("mixbit.server")
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    status: str = "starting"  # starting -> resolving -> loading -> ready | failed
+    detail: str = ""
+    started: float = field(default_factory=time.time)
+    lm: LoadedModel | None = None
+    engine: Engine | None = None
+    served_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    provenance: dict = field(default_factory=dict)
+    context_length: int = 4096
+    inflight: int = 0
+    draining: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and self.engine is not None and self.engine.alive
+
+
+def served_name(settings: Settings, resolved) -> str:
+    return settings.model.served_name or resolved.name
+
+
+def start_loading(state: ServerState) -> threading.Thread:
+    """Resolves and loads the model off the event loop; /ready reports progress meanwhile."""
+    def work():
+        s = state.settings
+        try:
+            state.status, state.detail = "resolving", f"resolving {s.model.source}"
+            resolved = resolve(s.model.source, s.model.revision, s.model.hub_cache_dir or None,
+                               s.model.allow_download)
+            state.status, state.detail = "loading", f"loading {resolved.path}"
+            lm = load(resolved, s.generation.compute_dtype)
+            text_cfg = lm.config.get("text_config", lm.config)
+            state.context_length = int(text_cfg.get("max_position_embeddings", 4096))
+            state.served_id = served_name(s, resolved)
+            state.provenance = {"source": s.model.source, "path": str(resolved.path),
+                                "model_type": resolved.model_type, "recipe": s.quant.recipe,
+                                "quantized": resolved.quantized}
+            engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
+                            model_key=state.served_id)
+            engine.start()
+            state.lm, state.engine = lm, engine
+            state.status, state.detail = "ready", ""
+            log.info("ready: serving %s as %r", resolved.path, state.served_id)
+        except ModelSourceError as exc:
+            state.status, state.detail = "failed", str(exc)
+            log.error("cannot serve: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - reported on /ready and in the log
+            state.status, state.detail = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("start-up failed")
+
+    t = threading.Thread(target=work, name="mixbit-loader", daemon=True)
+    t.start()
+    return t
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over the limit, counted as they arrive (chunked too)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        too_big = APIError(413, f"request body exceeds server.max_body_bytes ({self.limit} bytes)",
+                           code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await too_big.response()(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await too_big.response()(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
+    state = ServerState(settings=settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if load_model:
+            start_loading(state)
+        yield
+        state.draining = True
+        deadline = time.monotonic() + settings.server.shutdown_grace_s
+        while state.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if state.engine is not None:
+            state.engine.close()
+
+    app = FastAPI(title="mixbit", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible server for mixed-bit quantized Qwen3.5")
+    app.state.mixbit = state
+    errors.install(app)
+    if settings.server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(BodyLimit, limit=settings.server.max_body_bytes)
+    keys = [k.encode() for k in settings.server.api_keys]
+
+    async def auth(request: Request) -> None:
+        if not keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # compare against every key, in constant time, so timing says nothing about them
+        ok = False
+        for k in keys:
+            ok |= hmac.compare_digest(supplied, k)
+        if not ok:
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def ready_state() -> ServerState:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down",
+                           headers={"Retry-After": "5"})
+        if not state.ready:
+            if state.status == "failed":
+                raise APIError(503, f"the model failed to load: {state.detail}", code="model_failed")
+            raise APIError(503, f"the model is not ready yet ({state.detail or state.status})",
+                           code="model_not_ready", headers={"Retry-After": "2"})
+        return state
+
+    def check_model(name: str) -> None:
+        if name != state.served_id:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"'{state.served_id}' (see GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if state.engine is not None and not state.engine.alive:
+            return JSONResponse({"status": "engine failed"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        body = {"status": state.status, "detail": state.detail,
+                "uptime_s": round(time.time() - state.started, 1)}
+        if state.ready:
+            return body
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models() -> ModelList:
+        st = ready_state()
+        return ModelList(data=[_card(st)])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
+    async def model(model_id: str) -> ModelCard:
+        st = ready_state()
+        check_model(model_id)
+        return _card(st)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        st = ready_state()
+        check_model(req.model)
+        _reject_unsupported(req)
+        plan = _chat_plan(st, req)
+        return await _run(st, request, plan, req.n, req.stream,
+                          req.stream_options.include_usage if req.stream_options else False)
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(req: CompletionRequest, request: Request):
+        st = ready_state()
+        check_model(req.model)
+        _reject_unsupported(req)
+        plans = _completion_plans(st, req)
+        if req.stream and len(plans) > 1:
+            raise APIError(400, "streaming accepts one prompt per request", param="prompt")
+        if len(plans) == 1:
+            return await _run(st, request, plans[0], req.n, req.stream,
+                              req.stream_options.include_usage if req.stream_options else False)
+        results = [await _run(st, request, p, req.n, False, False, index_base=i * req.n)
+                   for i, p in enumerate(plans)]
+        merged = results[0]
+        for r in results[1:]:
+            merged.choices += r.choices
+            merged.usage.prompt_tokens += r.usage.prompt_tokens
+            merged.usage.completion_tokens += r.usage.completion_tokens
+            merged.usage.total_tokens += r.usage.total_tokens
+        return merged
+
+    return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mixbit")
+    except PackageNotFoundError:
+        return "0"
+
+
+def _card(st: ServerState) -> ModelCard:
+    return ModelCard(id=st.served_id, created=st.created, mixbit=st.provenance)
+
+
+def _reject_unsupported(req) -> None:
+    extra = req.model_extra or {}
+    for name, why in UNSUPPORTED.items():
+        if name not in extra or extra[name] in (None, False, [], {}):
+            continue
+        if name == "modalities" and extra[name] == ["text"]:
+            continue
+        raise APIError(400, f"{name}: {why or 'only text output is supported'}", param=name,
+                       code="unsupported_parameter")
+
+
+# ----------------------------------------------------------------------------------- planning
+@dataclass
+class Plan:
+    kind: str  # chat or completion
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str = ""
+    tools: list[dict] | None = None
+    parse_tools: bool = False
+    opened_think: bool = False
+    echo: str = ""
+    parallel: bool = True  # parallel_tool_calls: false returns the first call only
+
+
+def _sampling(st: ServerState, req, max_tokens: int | None, prompt_len: int,
+              top_logprobs: int) -> SamplingParams:
+    g = st.settings.generation
+    room = st.context_length - prompt_len
+    if room <= 0:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                       f"{st.context_length} tokens", param="messages", code="context_length_exceeded")
+    limit = st.settings.server.max_prompt_tokens
+    if limit and prompt_len > limit:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; server.max_prompt_tokens is "
+                       f"{limit}", param="messages", code="context_length_exceeded")
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) "
+                       f"exceeds the context of {st.context_length} tokens; at most {room} "
+                       "tokens can be generated", param="max_tokens", code="context_length_exceeded")
+    vocab = len(st.lm.tokenizer._tokenizer)
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        tid = int(key)
+        if not 0 <= tid < vocab:
+            raise APIError(400, f"logit_bias: token id {tid} is outside the vocabulary",
+                           param="logit_bias", code="invalid_value")
+        bias[tid] = float(value)
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else min(g.max_tokens, room),
+        temperature=g.temperature if req.temperature is None else req.temperature,
+        top_p=g.top_p if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop_list(),
+        logprobs=bool(req.logprobs), top_logprobs=top_logprobs,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, logit_bias=bias)
+
+
+def _template_messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": m.text()}
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                args = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError:
+                        raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is "
+                                       "not valid JSON", param=f"messages[{i}].tool_calls[{j}]",
+                                       code="invalid_value") from None
+                if not isinstance(args, dict):
+                    raise APIError(400, "tool call arguments must be a JSON object",
+                                   param=f"messages[{i}].tool_calls[{j}]", code="invalid_value")
+                calls.append({"type": "function", "id": c.id,
+                              "function": {"name": c.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        if m.role == "tool" and m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    if tools is None and choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+    if choice == "required" or isinstance(choice, dict):
+        raise APIError(400, "tool_choice 'required' or a named function needs constrained "
+                       "decoding, which this server does not offer yet", param="tool_choice",
+                       code="unsupported_parameter")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise APIError(400, f"response_format {fmt!r} needs constrained decoding, which this server "
+                       "does not offer yet", param="response_format", code="unsupported_parameter")
+    kwargs = dict(req.chat_template_kwargs or {})
+    thinking = bool(kwargs.pop("enable_thinking", st.settings.generation.enable_thinking))
+    render_tools = tools if choice != "none" else None
+    try:
+        text = render_chat(st.lm.tokenizer, _template_messages(req), render_tools,
+                           enable_thinking=thinking, **kwargs)
+    except APIError:
+        raise
+    except Exception as exc:  # jinja raise_exception and friends
+        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
+                       code="invalid_messages") from None
+    ids = st.lm.tokenizer.encode(text, add_special_tokens=False)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    params = _sampling(st, req, max_tokens, len(ids), req.top_logprobs or 0)
+    return Plan(kind="chat", prompt_ids=ids, params=params, prompt_text=text, tools=render_tools,
+                parse_tools=render_tools is not None, opened_think=prompt_opens_think(text),
+                parallel=req.parallel_tool_calls is not False)
+
+
+def _completion_plans(st: ServerState, req: CompletionRequest) -> list[Plan]:
+    p = req.prompt
+    if isinstance(p, str):
+        prompts: list[Any] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+    vocab = len(st.lm.tokenizer._tokenizer)
+    plans = []
+    for item in prompts:
+        if isinstance(item, str):
+            ids = st.lm.tokenizer.encode(item, add_special_tokens=False)
+            text = item
+        else:
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in item):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            ids, text = list(item), st.lm.tokenizer.decode(list(item))
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        top = int(req.logprobs) if isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool) else 0
+        params = _sampling(st, req, req.max_tokens if req.max_tokens is not None else 16, len(ids), top)
+        params.logprobs = req.logprobs is not None and req.logprobs is not False
+        plans.append(Plan(kind="completion", prompt_ids=ids, params=params, prompt_text=text,
+                          echo=text if req.echo else ""))
+    return plans
+
+
+# ----------------------------------------------------------------------------------- running
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _byte_decoder() -> dict[str, int]:
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+            list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
+    return _BYTE_DECODER
+
+
+def _token_text_bytes(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    piece = tokenizer._tokenizer.convert_ids_to_tokens(token_id)
+    dec = _byte_decoder()
+    if piece is not None and all(ch in dec for ch in piece):
+        raw = bytes(dec[ch] for ch in piece)
+    else:  # added tokens (<|im_end|>, <tool_call>, ...) are stored as plain text
+        raw = (piece or "").encode()
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _chat_logprob(tokenizer, ev: TokenEvent) -> TokenLogprob:
+    text, raw = _token_text_bytes(tokenizer, ev.token)
+    tops = []
+    for tid, lp in ev.top_logprobs or []:
+        t, b = _token_text_bytes(tokenizer, tid)
+        tops.append(TopLogprob(token=t, logprob=lp, bytes=b))
+    return TokenLogprob(token=text, logprob=ev.logprob, bytes=raw, top_logprobs=tops)
+
+
+@dataclass
+class _Choice:
+    index: int
+    seq: Any = None
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    text: str = ""
+    finish: FinishEvent | None = None
+    logprobs: list = field(default_factory=list)
+    parser: StreamingOutputParser | None = None
+
+
+def _finish_reason(choice: _Choice, calls: int) -> str:
+    reason = choice.finish.reason if choice.finish else "stop"
+    if reason in ("stop",) and calls:
+        return "tool_calls"
+    return {"timeout": "length"}.get(reason, reason)
+
+
+async def _run(st: ServerState, request: Request, plan: Plan, n: int, stream: bool,
+               include_usage: bool, index_base: int = 0):
+    s = st.settings.server
+    if st.inflight + n > s.max_concurrent_sequences + s.max_queue:
+        raise APIError(429, f"the server is at capacity ({st.inflight} sequences in flight); retry "
+                       "shortly", code="queue_full", headers={"Retry-After": "1"})
+    loop = asyncio.get_running_loop()
+    choices = [_Choice(index=index_base + i) for i in range(n)]
+    tok = st.lm.tokenizer
+    template = st.lm.chat_template
+    for c in choices:
+        if plan.kind == "chat":
+            c.parser = StreamingOutputParser(parser_for_template(template), plan.tools,
+                                             plan.opened_think, parse_tools=plan.parse_tools)
+        c.seq = st.engine.submit(plan.prompt_ids, plan.params, async_emitter(loop, c.queue),
+                                 draw_index=c.index, timeout_s=s.request_timeout_s)
+    st.inflight += n
+    rid = new_id("chatcmpl" if plan.kind == "chat" else "cmpl")
+    if stream:
+        gen = _stream_chat(st, request, plan, choices, rid, include_usage) if plan.kind == "chat" \
+            else _stream_completion(st, request, plan, choices, rid, include_usage)
+        return EventSourceResponse(gen, ping=15, send_timeout=30)
+    try:
+        await _collect(request, st, choices)
+    finally:
+        _release(st, choices)
+    return _chat_response(st, plan, choices, rid) if plan.kind == "chat" else \
+        _completion_response(st, plan, choices, rid)
+
+
+def _release(st: ServerState, choices: list[_Choice]) -> None:
+    for c in choices:
+        if c.finish is None:
+            st.engine.cancel(c.seq, "cancelled")
+    st.inflight -= len(choices)
+
+
+async def _next_event(request: Request, c: _Choice):
+    """The next engine event for one choice; None when the client went away."""
+    while True:
+        try:
+            return await asyncio.wait_for(c.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+async def _collect(request: Request, st: ServerState, choices: list[_Choice]) -> None:
+    async def one(c: _Choice):
+        while c.finish is None:
+            ev = await _next_event(request, c)
+            if ev is None:
+                return
+            if isinstance(ev, TokenEvent):
+                c.text += ev.text
+                if ev.logprob is not None:
+                    c.logprobs.append(ev)
+            else:
+                c.text += ev.text
+                c.finish = ev
+    await asyncio.gather(*(one(c) for c in choices))
+    for c in choices:
+        if c.finish is not None and c.finish.reason == "error":
+            raise APIError(500, f"generation failed: {c.finish.error}", code="engine_error")
+
+
+def _usage(choices: list[_Choice]) -> Usage:
+    done = [c.finish for c in choices if c.finish]
+    prompt = done[0].prompt_tokens if done else 0
+    completion = sum(f.completion_tokens for f in done)
+    cached = done[0].cached_tokens if done else 0
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _tool_calls_out(calls, parallel: bool = True) -> list[ToolCallOut]:
+    out = [ToolCallOut(id=new_id("call"), function=FunctionCallOut(
+        name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False))) for c in calls]
+    return out if parallel else out[:1]
+
+
+def _chat_response(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> ChatCompletion:
+    out = []
+    tok = st.lm.tokenizer
+    for c in choices:
+        events = c.parser.feed(c.text) + c.parser.finish()
+        reasoning = "".join(e.text for e in events if e.kind == "reasoning").strip() or None
+        content = "".join(e.text for e in events if e.kind == "content")
+        calls = _tool_calls_out(c.parser.calls, plan.parallel)
+        lp = ChoiceLogprobs(content=[_chat_logprob(tok, e) for e in c.logprobs]) if plan.params.logprobs else None
+        out.append(ChatChoice(index=c.index, finish_reason=_finish_reason(c, len(calls)), logprobs=lp,
+                              message=AssistantMessage(content=content if (content or not calls) else None,
+                                                       reasoning_content=reasoning,
+                                                       tool_calls=calls or None)))
+    return ChatCompletion(id=rid, model=st.served_id, choices=out, usage=_usage(choices))
+
+
+def _completion_logprobs(tok, events: list[TokenEvent], offset0: int) -> CompletionLogprobs:
+    lp = CompletionLogprobs(top_logprobs=[])
+    offset = offset0
+    for e in events:
+        text, _ = _token_text_bytes(tok, e.token)
+        lp.tokens.append(text)
+        lp.token_logprobs.append(e.logprob)
+        lp.text_offset.append(offset)
+        offset += len(text)
+        lp.top_logprobs.append({_token_text_bytes(tok, t)[0]: v for t, v in (e.top_logprobs or [])})
+    return lp
+
+
+def _completion_response(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> Completion:
+    tok = st.lm.tokenizer
+    out = [CompletionChoice(index=c.index, text=plan.echo + c.text, finish_reason=_finish_reason(c, 0),
+                            logprobs=_completion_logprobs(tok, c.logprobs, len(plan.echo))
+                            if plan.params.logprobs else None) for c in choices]
+    return Completion(id=rid, model=st.served_id, choices=out, usage=_usage(choices))
+
+
+async def _merged_events(request: Request, choices: list[_Choice]):
+    """Events of all choices as they come: (choice, event); stops when all finished."""
+    pending = {asyncio.ensure_future(c.queue.get()): c for c in choices}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                if await request.is_disconnected():
+                    return
+                continue
+            for fut in done:
+                c = pending.pop(fut)
+                ev = fut.result()
+                yield c, ev
+                if isinstance(ev, FinishEvent):
+                    c.finish = ev
+                else:
+                    pending[asyncio.ensure_future(c.queue.get())] = c
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+def _chunk(st, rid, index, delta: ChatDelta, finish=None, logprobs=None) -> str:
+    return ChatCompletionChunk(id=rid, model=st.served_id, choices=[ChatChunkChoice(
+        index=index, delta=delta, finish_reason=finish, logprobs=logprobs)]).model_dump_json(exclude_none=True)
+
+
+async def _stream_chat(st, request, plan, choices, rid, include_usage):
+    tok = st.lm.tokenizer
+    try:
+        for c in choices:
+            yield _chunk(st, rid, c.index, ChatDelta(role="assistant", content=""))
+        async for c, ev in _merged_events(request, choices):
+            if isinstance(ev, FinishEvent) and ev.reason == "error":
+                yield errors.error_event(APIError(500, f"generation failed: {ev.error}", code="engine_error"))
+                continue
+            events = c.parser.feed(ev.text)
+            if isinstance(ev, FinishEvent):
+                events += c.parser.finish()
+            lp = ChoiceLogprobs(content=[_chat_logprob(tok, ev)]) \
+                if isinstance(ev, TokenEvent) and ev.logprob is not None else None
+            for d in _deltas(events, plan.parallel):
+                yield _chunk(st, rid, c.index, d, logprobs=lp)
+                lp = None
+            if lp is not None:
+                yield _chunk(st, rid, c.index, ChatDelta(), logprobs=lp)
+            if isinstance(ev, FinishEvent):
+                yield _chunk(st, rid, c.index, ChatDelta(), finish=_finish_reason(c, len(c.parser.calls)))
+        if include_usage and all(c.finish for c in choices):
+            yield ChatCompletionChunk(id=rid, model=st.served_id, choices=[],
+                                      usage=_usage(choices)).model_dump_json(exclude_none=True)
+        yield "[DONE]"
+    finally:
+        _release(st, choices)
+
+
+def _deltas(events, parallel: bool):
+    for e in events:
+        if e.kind in ("call_start", "call_args") and e.index > 0 and not parallel:
+            continue
+        if e.kind == "reasoning" and e.text:
+            yield ChatDelta(reasoning_content=e.text)
+        elif e.kind == "content" and e.text:
+            yield ChatDelta(content=e.text)
+        elif e.kind == "call_start":
+            yield ChatDelta(tool_calls=[ToolCallDelta(index=e.index, id=new_id("call"), type="function",
+                                                      function={"name": e.name, "arguments": ""})])
+        elif e.kind == "call_args":
+            yield ChatDelta(tool_calls=[ToolCallDelta(index=e.index, function={"arguments": e.text})])
+
+
+async def _stream_completion(st, request, plan, choices, rid, include_usage):
+    tok = st.lm.tokenizer
+    try:
+        if plan.echo:
+            for c in choices:
+                yield Completion(id=rid, model=st.served_id, choices=[CompletionChoice(
+                    index=c.index, text=plan.echo, finish_reason=None)]).model_dump_json(exclude_none=True)
+        async for c, ev in _merged_events(request, choices):
+            finish = _finish_reason(c, 0) if isinstance(ev, FinishEvent) else None
+            lp = _completion_logprobs(tok, [ev], 0) if isinstance(ev, TokenEvent) and ev.logprob is not None else None
+            if ev.text or finish or lp:
+                yield Completion(id=rid, model=st.served_id, choices=[CompletionChoice(
+                    index=c.index, text=ev.text, finish_reason=finish, logprobs=lp)]).model_dump_json(exclude_none=True)
+        if include_usage and all(c.finish for c in choices):
+            yield Completion(id=rid, model=st.served_id, choices=[],
+                             usage=_usage(choices)).model_dump_json(exclude_none=True)
+        yield "[DONE]"
+    finally:
+        _release(st, choices)

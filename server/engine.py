@@ -1,0 +1,281 @@
+"""The engine: one thread that owns the model and runs mlx-lm's continuous-batching generator.
+
+Requests join between decode steps, each with its own sampler and logits processors; prompts are
+prefilled in chunks so running streams keep flowing; finished and half-finished prompts are kept
+in mlx-lm's LRU prompt cache (GatedDeltaNet state included) so an agent loop that resends its
+history only prefills what is new. Stop strings are matched on text, across token boundaries, and
+held back until they can no longer be the start of a stop string, so they never appear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache
+
+from .sampling import SamplingParams, make_processors, make_sampler
+
+log = logging.getLogger("mixbit.engine")
+
+
+@dataclass
+class TokenEvent:
+    text: str  # newly released text (may be empty while a stop string could still match)
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class FinishEvent:
+    reason: str  # stop, length, cancelled, timeout, error
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str = ""  # any text still held back, released at the end
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    prefix_cache_bytes: int = 0
+    last_batch_size: int = 0
+
+
+class StopMatcher:
+    """Releases generated text, holding back any tail that could begin a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.text = ""
+        self.released = 0
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        self.text += piece
+        if not self.stops:
+            out, self.released = self.text[self.released:], len(self.text)
+            return out, False
+        longest = max(len(s) for s in self.stops)
+        start = max(0, self.released - longest)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
+        if hits:
+            cut = min(hits)
+            out = self.text[self.released:cut]
+            self.released = len(self.text)
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        safe = max(self.released, len(self.text) - hold)
+        out, self.released = self.text[self.released:safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.released = self.text[self.released:], len(self.text)
+        return out
+
+
+@dataclass
+class _Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[Any], None]
+    extra_processors: list = field(default_factory=list)
+    draw_index: int = 0
+    uid: int | None = None
+    cached: int = 0
+    generated: int = 0
+    detok: Any = None
+    stops: StopMatcher | None = None
+    deadline: float | None = None
+    cancelled: str | None = None
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_step: int = 512,
+                 cache_entries: int = 64, cache_bytes: int = 1 << 30, model_key: str = "model"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.prefill_step = prefill_step
+        self.model_key = model_key
+        self.prompt_cache = LRUPromptCache(max_size=cache_entries, max_bytes=cache_bytes)
+        self.stats = EngineStats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._active: dict[int, _Sequence] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mixbit-engine", daemon=True)
+        self.eos_ids = sorted(tokenizer.eos_token_ids)
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ public, any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, prompt: list[int], params: SamplingParams, emit: Callable[[Any], None],
+               extra_processors: list | None = None, draw_index: int = 0,
+               timeout_s: float | None = None) -> _Sequence:
+        seq = _Sequence(prompt=list(prompt), params=params, emit=emit,
+                        extra_processors=list(extra_processors or []), draw_index=draw_index,
+                        deadline=(time.monotonic() + timeout_s) if timeout_s else None)
+        self.stats.waiting += 1
+        self._inbox.put(("add", seq))
+        return seq
+
+    def cancel(self, seq: _Sequence, reason: str = "cancelled") -> None:
+        self._inbox.put(("cancel", seq, reason))
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        stream = mx.new_stream(mx.default_device())
+        try:
+            with mx.stream(stream):
+                gen = BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos_ids],
+                                     completion_batch_size=self.max_batch,
+                                     prefill_batch_size=min(self.max_batch, 8),
+                                     prefill_step_size=self.prefill_step, stream=stream)
+                while not self._stop.is_set():
+                    self._drain_inbox(gen, block=not self._active)
+                    if self._active:
+                        self._step(gen)
+        except BaseException as exc:  # the engine must never die silently
+            log.exception("engine thread failed")
+            self.error = exc
+            for seq in list(self._active.values()):
+                self._finish(seq, "error", error=str(exc))
+
+    def _drain_inbox(self, gen: BatchGenerator, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            if item[0] == "add":
+                self.stats.waiting -= 1
+                self._add(gen, item[1])
+            elif item[0] == "cancel":
+                seq, reason = item[1], item[2]
+                if seq.uid is not None and seq.uid in self._active:
+                    gen.remove([seq.uid])
+                    self._finish(seq, reason)
+                else:
+                    seq.cancelled = reason
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _add(self, gen: BatchGenerator, seq: _Sequence) -> None:
+        if seq.cancelled:
+            self._finish(seq, seq.cancelled)
+            return
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self.model_key, seq.prompt)
+        if cache is None or not rest:
+            cache, rest = None, seq.prompt
+        seq.cached = len(seq.prompt) - len(rest)
+        processors = make_processors(seq.params) + seq.extra_processors
+        (seq.uid,) = gen.insert(
+            [rest], max_tokens=[seq.params.max_tokens], caches=[cache],
+            all_tokens=[seq.prompt[:seq.cached]],
+            samplers=[make_sampler(seq.params, seq.draw_index)],
+            logits_processors=[processors])
+        seq.detok = self.tokenizer.detokenizer
+        seq.detok.reset()
+        seq.stops = StopMatcher(seq.params.stop)
+        self._active[seq.uid] = seq
+        self.stats.prompt_tokens_total += len(rest)
+        self.stats.cached_tokens_total += seq.cached
+
+    def _step(self, gen: BatchGenerator) -> None:
+        prompt_responses, responses = gen.next()
+        # keep the prompt's cache (without its last token) so a resend of the same prefix is free
+        ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
+                and r.uid in self._active]
+        for uid, (cache, tokens) in gen.extract_cache(ends).items():
+            self.prompt_cache.insert_cache(self.model_key, list(tokens), cache, cache_type="user")
+        self.stats.last_batch_size = len(responses)
+        now = time.monotonic()
+        to_remove = []
+        for r in responses:
+            seq = self._active.get(r.uid)
+            if seq is None:
+                continue
+            seq.generated += 1
+            self.stats.generation_tokens_total += 1
+            if r.finish_reason == "stop":  # an EOS token: not part of the text
+                seq.detok.finalize()
+            else:
+                seq.detok.add_token(r.token)
+                if r.finish_reason is not None:
+                    seq.detok.finalize()
+            piece = seq.detok.last_segment
+            text, hit = seq.stops.feed(piece)
+            logprob = top = None
+            if seq.params.logprobs:
+                lp = r.logprobs
+                logprob = lp[r.token].item()
+                if seq.params.top_logprobs:
+                    k = seq.params.top_logprobs
+                    idx = mx.argpartition(-lp, k - 1)[:k]
+                    vals = lp[idx]
+                    order = mx.argsort(-vals)
+                    top = list(zip(idx[order].tolist(), vals[order].tolist()))
+            if text or logprob is not None:
+                seq.emit(TokenEvent(text=text, token=r.token, logprob=logprob, top_logprobs=top))
+            if r.finish_reason is not None:
+                if r.prompt_cache is not None:
+                    self.prompt_cache.insert_cache(self.model_key, list(r.all_tokens),
+                                                   r.prompt_cache, cache_type="assistant")
+                self._finish(seq, r.finish_reason)
+            elif hit:
+                to_remove.append(seq)
+                self._finish(seq, "stop")
+            elif seq.deadline is not None and now > seq.deadline:
+                to_remove.append(seq)
+                self._finish(seq, "timeout")
+        if to_remove:
+            gen.remove([s.uid for s in to_remove])
+        self.stats.running = len(self._active)
+        self.stats.prefix_cache_bytes = self.prompt_cache.nbytes
+
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+        if seq.uid is not None:
+            self._active.pop(seq.uid, None)
+        # text held back for a stop string that never completed is real text
+        tail = seq.stops.flush() if (seq.stops and reason in ("length", "stop")) else ""
+        self.stats.running = len(self._active)
+        seq.emit(FinishEvent(reason=reason, prompt_tokens=len(seq.prompt),
+                             completion_tokens=seq.generated, cached_tokens=seq.cached,
+                             text=tail, error=error))
+
+
+def async_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[Any], None]:
+    """An `emit` callback that hands events from the engine thread to an asyncio queue."""
+    def emit(event: Any) -> None:
+        loop.call_soon_threadsafe(q.put_nowait, event)
+    return emit

@@ -1,0 +1,81 @@
+"""One exception type, one response shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("mixbit.server")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+         503: "server_error", 504: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _param(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            return APIError(400, "the request body is not valid JSON: "
+                            f"{first.get('ctx', {}).get('error', first['msg'])}",
+                            code="invalid_json").response()
+        param = _param(tuple(first.get("loc", ())))
+        msg = first["msg"].removeprefix("Value error, ")
+        if first.get("type") == "missing":
+            msg = "this field is required"
+        extra = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        return APIError(400, f"{param or 'body'}: {msg}{extra}", param=param or None,
+                        code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        messages = {404: "no such route", 405: "method not allowed on this route"}
+        return APIError(exc.status_code, str(exc.detail) if exc.detail and exc.status_code not in messages
+                        else messages.get(exc.status_code, str(exc.detail)),
+                        code={404: "not_found"}.get(exc.status_code)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+
+
+def error_event(err: APIError) -> str:
+    """An error as the data of a server-sent event (for failures after a stream started)."""
+    return json.dumps(err.body())
