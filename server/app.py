@@ -195,6 +195,10 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     async def ready():
         body = {"status": state.status, "detail": state.detail,
                 "uptime_s": round(time.time() - state.started, 1)}
+        if state.engine is not None:
+            e = state.engine.stats
+            body["engine"] = {"running": e.running, "waiting": e.waiting, "in_flight": state.inflight,
+                              "prefix_cache_bytes": e.prefix_cache_bytes}
         if state.ready:
             return body
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
@@ -499,20 +503,37 @@ def _release(st: ServerState, choices: list[_Choice]) -> None:
     st.inflight -= len(choices)
 
 
-async def _next_event(request: Request, c: _Choice):
+class _DisconnectWatch:
+    """Asks the server whether the client left at most every `every` seconds, busy or idle."""
+
+    def __init__(self, request: Request, every: float = 0.25):
+        self.request, self.every, self.last, self.gone = request, every, time.monotonic(), False
+
+    async def check(self) -> bool:
+        now = time.monotonic()
+        if not self.gone and now - self.last >= self.every:
+            self.last = now
+            self.gone = await self.request.is_disconnected()
+        return self.gone
+
+
+async def _next_event(watch: _DisconnectWatch, c: _Choice):
     """The next engine event for one choice; None when the client went away."""
     while True:
+        if await watch.check():
+            return None
         try:
-            return await asyncio.wait_for(c.queue.get(), timeout=0.5)
+            return await asyncio.wait_for(c.queue.get(), timeout=watch.every)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
+            continue
 
 
 async def _collect(request: Request, st: ServerState, choices: list[_Choice]) -> None:
+    watch = _DisconnectWatch(request)
+
     async def one(c: _Choice):
         while c.finish is None:
-            ev = await _next_event(request, c)
+            ev = await _next_event(watch, c)
             if ev is None:
                 return
             if isinstance(ev, TokenEvent):

@@ -53,6 +53,12 @@ class ChatMessage(_Lenient):
                                      "reads text only")
         return v
 
+    @model_validator(mode="after")
+    def _content_required(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content is required for a {self.role} message")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""

@@ -1,0 +1,59 @@
+"""Starts the real `mixbit serve` process on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from .conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *settings: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "mixbit.server.cli", "serve", "--port", str(self.port)]
+        for s in settings:
+            args += ["--set", s]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MIXBIT_")}
+        self.log_path = ROOT / ".cache" / f"test-server-{self.port}.log"
+        self.log_path.parent.mkdir(exist_ok=True)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**base, "HF_HUB_OFFLINE": "1", **(env or {})},
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 120) -> "ServerProcess":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready: {self.log_path.read_text()[-3000:]}")
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,207 @@
+"""End to end: the real server process, driven by the official openai SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from .server_proc import ServerProcess
+
+MODEL = "tiny-qwen3.5"
+TOOLS = json.loads(open(__import__("pathlib").Path(__file__).parents[1] / "examples" / "weather.json").read())
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("server.request_timeout_s=120").wait_ready()
+    yield s
+    # uvicorn re-raises SIGTERM after its graceful shutdown, so -15 is a clean exit too
+    assert s.stop() in (0, -15)
+    assert "Application shutdown complete" in s.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def no_eos_bias():
+    """logit_bias that forbids the end-of-turn tokens: a generation that runs to max_tokens."""
+    from tokenizers import Tokenizer
+
+    from .conftest import EMBEDDED
+
+    tok = Tokenizer.from_file(str(EMBEDDED / "tokenizer.json"))
+    return {str(tok.token_to_id(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
+
+
+def ask(content):
+    return [{"role": "user", "content": content}]
+
+
+def test_models_list_and_get(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]  # the served id, never a path
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL
+    raw = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert raw["mixbit"]["recipe"] and raw["mixbit"]["model_type"] == "qwen3_5"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+
+
+def test_chat_plain_and_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("Hi, I am Anna."), temperature=0,
+                                       max_tokens=30)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.message.content and "<think>" not in choice.message.content
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.id.startswith("chatcmpl-")
+
+
+def test_stream_matches_non_stream(client):
+    kwargs = dict(model=MODEL, messages=ask("What day comes after Monday?"), temperature=0, max_tokens=30)
+    whole = client.chat.completions.create(**kwargs)
+    pieces, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: prefix reused
+
+
+def test_tool_call_stream_and_non_stream_agree(client):
+    kwargs = dict(model=MODEL, messages=ask("What's the weather in Oslo?"), tools=TOOLS, temperature=0,
+                  max_tokens=60)
+    whole = client.chat.completions.create(**kwargs)
+    msg = whole.choices[0].message
+    with client.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    smsg = final.choices[0].message
+    assert (smsg.content or "") == (msg.content or "")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in smsg.tool_calls or []] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+    if msg.tool_calls:
+        assert whole.choices[0].finish_reason == "tool_calls"
+        assert all(c.id.startswith("call_") for c in msg.tool_calls)
+        assert "<tool_call>" not in (msg.content or "")
+
+
+def test_completions_endpoint(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                  temperature=0, logprobs=2, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith("The capital of France is")
+    assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == r.usage.completion_tokens
+    assert all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+    batch = client.completions.create(model=MODEL, prompt=["Hello", "One two"], max_tokens=4, temperature=0)
+    assert [ch.index for ch in batch.choices] == [0, 1]
+
+
+def test_seed_reproducible_and_n(client):
+    kwargs = dict(model=MODEL, messages=ask("Tell me a joke."), temperature=1.0, max_tokens=20)
+    a = client.chat.completions.create(seed=7, **kwargs).choices[0].message.content
+    b = client.chat.completions.create(seed=7, **kwargs).choices[0].message.content
+    assert a == b
+    r = client.chat.completions.create(n=3, seed=3, **kwargs)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # n>1 is honoured, not one answer thrice
+
+
+def test_stop_string_across_token_boundaries(client):
+    kwargs = dict(model=MODEL, messages=ask("Count from 3 to 7."), temperature=0, max_tokens=30)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert len(full) > 6
+    # a stop string that starts inside one token and ends inside another
+    stop = full[3:6]
+    r = client.chat.completions.create(stop=[stop], **kwargs)
+    assert r.choices[0].message.content == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    pieces = []
+    for chunk in client.chat.completions.create(stop=[stop], stream=True, **kwargs):
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+    assert "".join(pieces) == full[:full.index(stop)]
+
+
+def test_logprobs_have_bytes(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("Hi"), temperature=0, max_tokens=5,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert content and all(t.bytes is not None and len(t.top_logprobs) == 3 for t in content)
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", "replace").strip()
+
+
+def test_max_tokens_limits_and_finish_length(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("Count from 1 to 50."), temperature=0,
+                                       max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = client.chat.completions.create(model=MODEL, messages=ask("Count from 1 to 50."), temperature=0,
+                                       max_completion_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_sixteen_concurrent_streams_are_independent(server, client):
+    questions = [f"What is {a} plus {b}?" for a, b in zip(range(1, 17), range(5, 21))]
+    expected = [client.chat.completions.create(model=MODEL, messages=ask(q), temperature=0,
+                                               max_tokens=24).choices[0].message.content for q in questions]
+
+    async def one(aclient, q):
+        text = ""
+        stream = await aclient.chat.completions.create(model=MODEL, messages=ask(q), temperature=0,
+                                                       max_tokens=24, stream=True)
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.delta.content or ""
+        return text
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(aclient, q) for q in questions))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_disconnected_stream_frees_its_slot(server):
+    body = {"model": MODEL, "messages": ask("Count from 1 to 500."), "max_tokens": 3000,
+            "temperature": 1.0, "stream": True, "logit_bias": no_eos_bias()}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 5:
+                    break
+        running = None
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            running = httpx.get(server.url + "/ready").json()["engine"]["running"]
+            if running == 0:
+                break
+            time.sleep(0.1)
+        assert running == 0
+
+
+def test_disconnected_non_stream_request_frees_its_slot(server):
+    body = {"model": MODEL, "messages": ask("Count from 1 to 500."), "max_tokens": 3000,
+            "temperature": 1.0, "logit_bias": no_eos_bias()}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.5)
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        if httpx.get(server.url + "/ready").json()["engine"]["running"] == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail("the abandoned request kept its slot")
