@@ -205,3 +205,36 @@ def test_disconnected_non_stream_request_frees_its_slot(server):
             return
         time.sleep(0.1)
     pytest.fail("the abandoned request kept its slot")
+
+
+def test_reasoning_goes_to_reasoning_content(client):
+    kwargs = dict(model=MODEL, messages=ask("What's the weather in Oslo?"), tools=TOOLS, temperature=0,
+                  max_tokens=80, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    r = client.chat.completions.create(**kwargs)
+    msg = r.choices[0].message
+    reasoning = msg.model_extra.get("reasoning_content")
+    assert reasoning, "with thinking on, the model's <think> block is returned as reasoning_content"
+    for text in (msg.content or "", reasoning):
+        assert "<think>" not in text and "</think>" not in text
+    streamed_reasoning, streamed_content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed_reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed_content += c.delta.content or ""
+    assert streamed_reasoning.strip() == reasoning
+    assert streamed_content.strip() == (msg.content or "")
+    off = client.chat.completions.create(**{**kwargs, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}})
+    assert not off.choices[0].message.model_extra.get("reasoning_content")
+
+
+def test_parallel_tool_calls_false_returns_one_call(client):
+    kwargs = dict(model=MODEL, messages=ask("What's the weather in Oslo and in Paris?"), tools=TOOLS,
+                  temperature=0, max_tokens=120)
+    many = client.chat.completions.create(**kwargs).choices[0].message.tool_calls or []
+    one = client.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message.tool_calls or []
+    assert len(one) == min(1, len(many))
+
+
+def test_cors_is_off_by_default(server):
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://app.example"})
+    assert "access-control-allow-origin" not in r.headers

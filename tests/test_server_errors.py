@@ -18,6 +18,7 @@ KEY = "sk-test-0123456789"
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess(f"server.api_keys=['{KEY}', 'sk-second']", "server.max_body_bytes=20000",
+                      "server.cors_origins=['http://app.example']",
                       "server.max_concurrent_sequences=2", "server.max_queue=1").wait_ready()
     yield s
     s.stop()
@@ -195,3 +196,12 @@ def test_before_ready_requests_get_503_with_retry_after():
     for r in seen[:-1]:
         assert_error(r, 503, "model_not_ready")
         assert r.headers["Retry-After"]
+
+
+def test_cors_only_for_configured_origins(server):
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=pre)
+    assert r.headers.get("access-control-allow-origin") == "http://app.example"
+    r = httpx.options(server.url + "/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"})
+    assert r.headers.get("access-control-allow-origin") is None
