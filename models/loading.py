@@ -37,7 +37,8 @@ class LoadedModel:
         return getattr(self.tokenizer, "chat_template", None)
 
 
-def load(resolved: ResolvedModel, dtype: str = "auto") -> LoadedModel:
+def load(resolved: ResolvedModel, dtype: str = "auto", path=None) -> LoadedModel:
+    """Loads `resolved` (or `path`, a variant of it such as a quantized copy) with mlx-lm."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
 
@@ -45,7 +46,8 @@ def load(resolved: ResolvedModel, dtype: str = "auto") -> LoadedModel:
     from .registry import read_config
 
     gated_delta_chunked.install()  # chunk-parallel GatedDeltaNet prefill where no Metal kernel runs
-    model, tokenizer = mlx_load(str(resolved.path))
+    folder = path or resolved.path
+    model, tokenizer = mlx_load(str(folder))
     target = compute_dtype(dtype)
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed
@@ -53,7 +55,7 @@ def load(resolved: ResolvedModel, dtype: str = "auto") -> LoadedModel:
         model.set_dtype(target, lambda d: mx.issubdtype(d, mx.floating))
     mx.eval(model.parameters())
     return LoadedModel(model=model, tokenizer=tokenizer, resolved=resolved,
-                       config=read_config(resolved.path))
+                       config=read_config(folder))
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,

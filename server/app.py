@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from mixbit.models.loading import LoadedModel, load, prompt_opens_think, render_chat
 from mixbit.models.registry import ModelSourceError, resolve
 from mixbit.models.toolcall import StreamingOutputParser, parser_for_template
+from mixbit.quant.variants import ensure_variant
 
 from . import errors
 from .engine import Engine, FinishEvent, TokenEvent, async_emitter
@@ -38,7 +39,7 @@ log = logging.getLogger("mixbit.server")
 @dataclass
 class ServerState:
     settings: Settings
-    status: str = "starting"  # starting -> resolving -> loading -> ready | failed
+    status: str = "starting"  # starting -> resolving -> quantizing -> loading -> ready | failed
     detail: str = ""
     started: float = field(default_factory=time.time)
     lm: LoadedModel | None = None
@@ -67,14 +68,19 @@ def start_loading(state: ServerState) -> threading.Thread:
             state.status, state.detail = "resolving", f"resolving {s.model.source}"
             resolved = resolve(s.model.source, s.model.revision, s.model.hub_cache_dir or None,
                                s.model.allow_download)
-            state.status, state.detail = "loading", f"loading {resolved.path}"
-            lm = load(resolved, s.generation.compute_dtype)
+            state.status = "quantizing"
+
+            def progress(msg: str) -> None:
+                state.detail = msg
+
+            variant = ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress)
+            state.status, state.detail = "loading", f"loading {variant.path}"
+            lm = load(resolved, s.generation.compute_dtype, path=variant.path)
             text_cfg = lm.config.get("text_config", lm.config)
             state.context_length = int(text_cfg.get("max_position_embeddings", 4096))
             state.served_id = served_name(s, resolved)
-            state.provenance = {"source": s.model.source, "path": str(resolved.path),
-                                "model_type": resolved.model_type, "recipe": s.quant.recipe,
-                                "quantized": resolved.quantized}
+            state.provenance = {**variant.manifest, "model_type": resolved.model_type,
+                                "path": str(variant.path)}
             engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                             model_key=state.served_id)
             engine.start()

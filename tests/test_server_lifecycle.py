@@ -50,3 +50,20 @@ def test_shutdown_grace_bounds_the_wait():
     t.join()
     assert time.time() - started < 10  # cancelled after the grace period, not served to the end
     assert "error" in out or out["r"].status_code != 200 or out["r"].json()["usage"]["completion_tokens"] < 3000
+
+
+def test_serves_an_already_quantized_mlx_checkpoint_as_is(tmp_path, embedded_path):
+    from mlx_lm import convert
+
+    out = tmp_path / "tiny-4bit"
+    convert(str(embedded_path), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=64)
+    s = ServerProcess(f"model.source='{out}'").wait_ready()
+    try:
+        card = httpx.get(s.url + "/v1/models").json()["data"][0]
+        assert card["id"] == "tiny-4bit"
+        assert card["mixbit"]["recipe"].startswith("as-is")
+        body = {"model": "tiny-4bit", "messages": ask("Hi, I am Anna."), "max_tokens": 12, "temperature": 0}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    finally:
+        s.stop()
