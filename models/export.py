@@ -27,14 +27,17 @@ def export_checkpoint(model, text_config: dict, tokenizer, out: Path, train_info
     from safetensors.torch import save_file
 
     tensors = {}
+    tied = bool(text_config.get("tie_word_embeddings"))
     for name, value in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue  # published tied checkpoints carry the embedding only
         dtype = torch.float32 if name.endswith(FLOAT32_SUFFIXES) else torch.bfloat16
         tensors[published_name(name)] = value.detach().to(dtype).contiguous()
     config = {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "text_config": text_config,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied,
         "transformers_version": __import__("transformers").__version__,
     }
     generation = {

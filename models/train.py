@@ -36,6 +36,9 @@ class TrainConfig:
     linear_key_head_dim: int = 64
     linear_value_head_dim: int = 64
     rope_theta: float = 10000.0
+    # Tied input/output embeddings, as Qwen3.5's small checkpoints (0.8B-4B) have: copying a token
+    # from the prompt then needs no separately learned output row per token.
+    tie_word_embeddings: bool = True
     seq_len: int = 1024
     batch_rows: int = 4
     steps: int = 1700
@@ -89,7 +92,7 @@ def text_config(cfg: TrainConfig, eos_id: int, pad_id: int) -> dict:
             "mrope_section": [rotary - 2 * (rotary // 3), rotary // 3, rotary // 3],
             "mrope_interleaved": True,
         },
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
         "use_cache": True,
         "vocab_size": cfg.vocab_size,
     }

@@ -73,7 +73,9 @@ def start_loading(state: ServerState) -> threading.Thread:
             def progress(msg: str) -> None:
                 state.detail = msg
 
-            variant = ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress)
+            variant = ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress,
+                                     target_bpw=s.quant.target_bpw if s.quant.recipe == "mixbit-auto" else None,
+                                     calibration=s.quant.calibration or None)
             state.status, state.detail = "loading", f"loading {variant.path}"
             lm = load(resolved, s.generation.compute_dtype, path=variant.path)
             text_cfg = lm.config.get("text_config", lm.config)

@@ -15,6 +15,7 @@ MIRRORED = {
     "model": ("model", "source"), "revision": ("model", "revision"),
     "recipe": ("quant", "recipe"), "host": ("server", "host"), "port": ("server", "port"),
     "dtype": ("generation", "compute_dtype"), "seed": ("generation", "seed"),
+    "target_bpw": ("quant", "target_bpw"), "calibration": ("quant", "calibration"),
 }
 
 
@@ -154,7 +155,47 @@ def cmd_eval(args) -> int:
     return 0
 
 
-SERVE_FLAGS = ("model", "revision", "recipe", "host", "port", "dtype")
+SERVE_FLAGS = ("model", "revision", "recipe", "target_bpw", "calibration", "host", "port", "dtype")
+QUANT_FLAGS = ("model", "revision", "recipe", "target_bpw", "calibration")
+
+
+def cmd_quantize(args) -> int:
+    import logging
+
+    from tqdm import tqdm
+
+    from mixbit.models.registry import resolve
+    from mixbit.quant.variants import ensure_variant, quantize
+
+    settings = _settings(args, QUANT_FLAGS)
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    m, q = settings.model, settings.quant
+    if q.recipe == "bf16":
+        raise SettingsError("--recipe bf16 does not quantize; pick uniform-4, uniform-3, "
+                            "unsloth-static or mixbit-auto")
+    resolved = resolve(m.source, m.revision, m.hub_cache_dir or None, m.allow_download)
+    bar = tqdm(desc=f"quantize {q.recipe}", bar_format="{desc}: {elapsed} {postfix}")
+
+    def progress(msg: str) -> None:
+        bar.set_postfix_str(msg)
+
+    bpw = q.target_bpw if q.recipe == "mixbit-auto" else None
+    if args.out:
+        out = Path(args.out)
+        if out.exists():
+            raise SettingsError(f"--out {out} exists; choose a new folder")
+        manifest = quantize(resolved, q.recipe, out, target_bpw=bpw, calibration=q.calibration or None,
+                            progress=progress, cache_root=Path(m.cache_dir).expanduser())
+        path = out
+    else:
+        variant = ensure_variant(resolved, q.recipe, m.cache_dir, progress, target_bpw=bpw,
+                                 calibration=q.calibration or None)
+        manifest, path = variant.manifest, variant.path
+    bar.close()
+    print(json.dumps({"path": str(path), "recipe": q.recipe,
+                      "bits_per_weight": round(manifest.get("bits_per_weight", 16.0), 3),
+                      "bytes": manifest.get("bytes"), "predicted_kld": manifest.get("predicted_kld")}))
+    return 0
 
 
 def cmd_serve(args) -> int:
@@ -223,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think", action="store_true", help="also evaluate with thinking on")
     p.add_argument("--out", help="write the numbers as JSON here")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("quantize", help="quantize a model with a recipe (cached, or into --out)")
+    _add_settings_flags(p, QUANT_FLAGS)
+    p.add_argument("--out", help="write the variant into this new folder instead of the cache")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     _add_settings_flags(p, SERVE_FLAGS)

@@ -32,8 +32,11 @@ class ModelSettings(_Section):
 
 
 class QuantSettings(_Section):
-    # Only recipes that exist are accepted; the quantization issue adds the mixed-bit ones.
-    recipe: Literal["bf16"] = Field("bf16", description="bf16: serve the checkpoint unquantized")
+    recipe: Literal["bf16", "uniform-4", "uniform-3", "unsloth-static", "mixbit-auto"] = Field(
+        "bf16", description="bf16 serves the checkpoint unquantized; the others quantize at first "
+        "start and cache the result (see quant/README.md)")
+    target_bpw: float = Field(4.5, ge=2.5, le=16.0, description="mixbit-auto's budget in bits per weight")
+    calibration: str = Field("", description="JSONL file of extra calibration chats; empty: built-in")
 
 
 class ServerSettings(_Section):
