@@ -149,11 +149,42 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
     for path, info in extra.pop("tensors", {}).items():
         manifest["tensors"][path].update(info)
     manifest.update(extra)
-    artifact.write_variant(resolved.path, dst, formats, manifest)
+    transform = _awq_transform(resolved, formats, manifest, calibration, say) if recipe in AWQ_RECIPES else None
+    artifact.write_variant(resolved.path, dst, formats, manifest, transform=transform)
     manifest["seconds"] = round(time.time() - started, 1)
     say(f"recipe {recipe}: wrote {dst} ({manifest['bits_per_weight']:.2f} bits per weight) in "
         f"{manifest['seconds']}s")
     return manifest
+
+
+AWQ_RECIPES = ("mixbit-auto", "unsloth-static")
+
+
+def _awq_transform(resolved: ResolvedModel, formats: dict[str, Format], manifest: dict,
+                   calibration: str | None, say: Callable[[str], None]) -> Callable:
+    """AWQ scales searched on calibration activations and folded into the norms, recorded in
+    the manifest (alpha per group, and which tensors were scaled)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from . import calibration as calib
+    from .awq import apply_awq
+
+    def transform(model) -> None:
+        say("AWQ: searching activation-aware scales")
+        cal = calib.build(load_tokenizer(resolved.path), n_rows=16, length=128, extra=calibration)
+        groups = apply_awq(model, cal.rows, formats)
+        prefix = next(iter(formats)).split(".layers.")[0] if formats else ""
+        for g in groups:
+            for member in g.members:
+                path = f"{prefix}.layers.{g.layer}.{member}"
+                if path in manifest["tensors"]:
+                    manifest["tensors"][path]["awq"] = g.alpha > 0
+                    manifest["tensors"][path]["awq_alpha"] = g.alpha
+        manifest["awq"] = {"groups": len(groups), "scaled": sum(g.alpha > 0 for g in groups),
+                           "error_reduction": round(1 - sum(g.error_after for g in groups)
+                                                    / max(sum(g.error_before for g in groups), 1e-12), 4)}
+
+    return transform
 
 
 def _auto_plan(resolved: ResolvedModel, root: Path, digest: str, target_bpw: float,
