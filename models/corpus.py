@@ -20,6 +20,8 @@ KINDS = ("tool", "parallel", "no_tool", "chat", "code", "json", "copy")
 # share of each kind after the copy-first warm-up phase
 MIX = {"tool": 0.44, "parallel": 0.05, "no_tool": 0.13, "chat": 0.10, "code": 0.06,
        "json": 0.08, "copy": 0.14}
+# copy-first phase: short documents whose answers copy from the question
+COPY_PHASE_MIX = {"copy": 0.6, "chat": 0.2, "json": 0.2}
 WARMUP_MIX = {"tool": 0.30, "parallel": 0.02, "no_tool": 0.06, "chat": 0.05, "code": 0.02,
               "json": 0.10, "copy": 0.45}
 

@@ -46,6 +46,10 @@ class TrainConfig:
     warmup_steps: int = 60
     cooldown_frac: float = 0.2  # constant LR while copying emerges, linear decay at the end
     warmup_mix_frac: float = 0.2  # copy-heavy curriculum for the first steps
+    # copy-first phase: short rows of copy drills and short chats before anything else
+    copy_phase_steps: int = 0
+    copy_phase_seq_len: int = 256
+    copy_phase_batch_rows: int = 8
     weight_decay: float = 0.1
     threads: int = 1
     checkpoint_every: int = 100
@@ -135,8 +139,10 @@ def step_batch(cfg: TrainConfig, step: int, tokenizer, fast) -> tuple[list[list[
     """Packed rows for one optimizer step, drawn from a generator seeded by (seed, step)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     mix = corpus.WARMUP_MIX if step < cfg.warmup_mix_frac * cfg.steps else corpus.MIX
+    width, n_rows = cfg.seq_len + 1, cfg.batch_rows
+    if step < cfg.copy_phase_steps:
+        mix, width, n_rows = corpus.COPY_PHASE_MIX, cfg.copy_phase_seq_len + 1, cfg.copy_phase_batch_rows
     eot = fast.token_to_id("<|endoftext|>")
-    width = cfg.seq_len + 1
 
     def draw() -> tuple[list[int], list[float]]:
         while True:  # the rare document longer than a row is skipped, never cut
@@ -148,7 +154,7 @@ def step_batch(cfg: TrainConfig, step: int, tokenizer, fast) -> tuple[list[list[
     # would teach the model to invent arguments. Each row opens with a document drawn from the
     # full mix, then is topped up with documents that fit; the rest is padding without loss.
     rows, row_w = [], []
-    for _ in range(cfg.batch_rows):
+    for _ in range(n_rows):
         ids, weights = draw()
         for _attempt in range(12):
             if width - len(ids) < 24:

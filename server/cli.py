@@ -144,6 +144,16 @@ def cmd_eval(args) -> int:
     from mixbit.quant.report import run_model_eval
 
     settings = _settings(args, GEN_FLAGS)
+    if args.variants:
+        from mixbit.quant.compare import main_eval
+
+        specs = [v.strip() for v in args.variants.split(",") if v.strip()]
+        print(main_eval(settings.model.source, specs, settings.model.cache_dir, args.out, args.plot,
+                        n_tool=args.n_tool))
+        for f in (args.out, args.plot):
+            if f:
+                print(f"wrote {f}")
+        return 0
     lm = _load(settings)
     report = run_model_eval(lm, n_tool=args.n_tool, n_plain=args.n_plain, n_docs=args.n_docs,
                             thinking=args.think)
@@ -263,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-docs", type=int, default=300, help="held-out documents for the loss")
     p.add_argument("--think", action="store_true", help="also evaluate with thinking on")
     p.add_argument("--out", help="write the numbers as JSON here")
+    p.add_argument("--variants", help="compare quantized variants against bf16, e.g. "
+                   "uniform-4,uniform-3,unsloth-static,mixbit-auto,mlx-uniform-4,mlx-dynamic@4.5")
+    p.add_argument("--plot", help="with --variants: write a PNG of KLD against size here")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("quantize", help="quantize a model with a recipe (cached, or into --out)")

@@ -1,0 +1,201 @@
+"""`mixbit eval --variants ...`: quantized variants side by side against bf16, as a table and a
+PNG plot of KLD against size with the Pareto front.
+
+A variant is a recipe name (`uniform-4`, `uniform-3`, `unsloth-static`, `mixbit-auto`,
+`mixbit-auto@3.8` for another budget), one of mlx-lm's own quantizers (`mlx-uniform-4`,
+`mlx-uniform-3` from `mlx_lm.convert`; `mlx-dynamic@4.5` from `mlx_lm.quant.dynamic_quant`, fed
+the same built-in calibration text), or a folder holding any MLX checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from mixbit.models import corpus
+from mixbit.models.loading import LoadedModel, load
+from mixbit.models.registry import ResolvedModel, resolve
+
+from . import calibration as calib
+from .evaluate import heldout_loss_by_kind, tool_call_eval
+from .variants import ensure_variant
+
+
+@dataclass
+class VariantResult:
+    name: str
+    path: str
+    nbytes: int
+    bits_per_weight: float
+    kld_mean: float
+    kld_p99: float
+    top1: float
+    ppl: dict[str, float] = field(default_factory=dict)
+    tools: dict[str, float] = field(default_factory=dict)
+    seconds_to_build: float = 0.0
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def bits_per_weight(lm: LoadedModel) -> float:
+    from mlx_lm.utils import compute_bits_per_weight
+
+    return float(compute_bits_per_weight(lm.model))
+
+
+def build_variant(spec: str, resolved: ResolvedModel, cache_dir: str, work: Path) -> tuple[Path, float]:
+    """Folder of the variant named by `spec` (built or reused), and seconds spent building it."""
+    started = time.time()
+    if Path(spec).is_dir():
+        return Path(spec), 0.0
+    if spec.startswith("mlx-uniform-"):
+        bits = int(spec.rsplit("-", 1)[1])
+        out = work / spec
+        if not out.exists():
+            from mlx_lm import convert
+
+            convert(str(resolved.path), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=64)
+        return out, time.time() - started
+    if spec.startswith("mlx-dynamic"):
+        bpw = float(spec.split("@")[1]) if "@" in spec else 4.5
+        out = work / f"mlx-dynamic-{bpw}"
+        if not out.exists():
+            _run_dynamic_quant(resolved, out, bpw, work)
+        return out, time.time() - started
+    recipe, _, bpw = spec.partition("@")
+    variant = ensure_variant(resolved, recipe, cache_dir=cache_dir,
+                             target_bpw=float(bpw) if bpw else None)
+    return variant.path, time.time() - started
+
+
+def _run_dynamic_quant(resolved: ResolvedModel, out: Path, bpw: float, work: Path) -> None:
+    """mlx-lm's dynamic_quant downloads its own calibration text; give it ours instead, under a
+    throwaway HOME (~/.cache/mlx-lm/calibration_v5.txt), so no network is needed."""
+    from mlx_lm.utils import load_tokenizer
+
+    home = work / "dynamic-home"
+    target = home / ".cache" / "mlx-lm" / "calibration_v5.txt"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(resolved.path)
+    docs = calib.builtin_documents(96)
+    target.write_text("\n".join(calib.render(tok, d) for d in docs))
+    env = dict(os.environ, HOME=str(home), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "mlx_lm.quant.dynamic_quant", "--model", str(resolved.path),
+           "--mlx-path", str(out), "--target-bpw", str(bpw), "--low-bits", "3", "--high-bits", "5"]
+    subprocess.run(cmd, env=env, cwd=work, check=True, capture_output=True)
+
+
+def token_klds(reference: LoadedModel, candidate: LoadedModel, rows: mx.array) -> tuple[mx.array, float]:
+    """Per-token KL(bf16 || candidate) and top-1 agreement on `rows`."""
+    klds, agree, total = [], 0, 0
+    for i in range(rows.shape[0]):
+        x = rows[i:i + 1]
+        ref = reference.model(x).astype(mx.float32)[0]
+        got = candidate.model(x).astype(mx.float32)[0]
+        ref_lp = ref - mx.logsumexp(ref, axis=-1, keepdims=True)
+        got_lp = got - mx.logsumexp(got, axis=-1, keepdims=True)
+        klds.append((mx.exp(ref_lp) * (ref_lp - got_lp)).sum(axis=-1))
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum().item())
+        total += x.shape[1]
+    return mx.concatenate(klds), agree / total
+
+
+def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_docs: int = 120,
+            work: Path | None = None, progress=print) -> list[VariantResult]:
+    resolved = resolve(source)
+    work = work or Path(tempfile.mkdtemp(prefix="mixbit-eval-"))
+    reference = load(resolved)
+    rows = calib.build(reference.tokenizer, n_rows=16, length=256, split="heldout").rows
+    docs = corpus.heldout_documents(n_docs)
+    prompts = corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(max(n_tool // 2, 1))
+    results = []
+    for spec in ["bf16"] + [s for s in specs if s != "bf16"]:
+        progress(f"evaluating {spec}")
+        if spec == "bf16":
+            path, built, lm = resolved.path, 0.0, reference
+        else:
+            path, built = build_variant(spec, resolved, cache_dir, work)
+            lm = load(resolved, path=path)
+        klds, top1 = token_klds(reference, lm, rows)
+        sorted_k = mx.sort(klds)
+        p99 = float(sorted_k[int(0.99 * (sorted_k.size - 1))].item())
+        losses = heldout_loss_by_kind(lm, docs)
+        tools = tool_call_eval(lm, prompts).rates()
+        results.append(VariantResult(
+            name=spec, path=str(path), nbytes=weight_bytes(Path(path)), bits_per_weight=bits_per_weight(lm),
+            kld_mean=float(klds.mean().item()), kld_p99=p99, top1=top1,
+            ppl={k: math.exp(v) for k, v in losses.items()}, tools=tools, seconds_to_build=round(built, 1)))
+    return results
+
+
+def table(results: list[VariantResult]) -> str:
+    kinds = sorted({k for r in results for k in r.ppl})
+    head = ["variant", "MB", "bpw", "KLD mean", "KLD p99", "top-1", *[f"ppl {k}" for k in kinds],
+            "call ok", "right fn", "exact args", "plain ok"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [r.name, f"{r.nbytes / 1e6:.2f}", f"{r.bits_per_weight:.2f}", f"{r.kld_mean:.4f}",
+                 f"{r.kld_p99:.4f}", f"{r.top1:.3f}", *[f"{r.ppl.get(k, float('nan')):.3f}" for k in kinds],
+                 f"{r.tools['well_formed']:.1%}", f"{r.tools['right_function']:.1%}",
+                 f"{r.tools['exact_args']:.1%}", f"{r.tools['plain_answer']:.1%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pareto(results: list[VariantResult]) -> list[VariantResult]:
+    front, best = [], float("inf")
+    for r in sorted(results, key=lambda r: (r.nbytes, r.kld_mean)):
+        if r.kld_mean < best:
+            front.append(r)
+            best = r.kld_mean
+    return front
+
+
+def plot(results: list[VariantResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    quantized = [r for r in results if r.name != "bf16"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in quantized:
+        ax.scatter(r.nbytes / 1e6, r.kld_mean, s=40)
+        ax.annotate(r.name, (r.nbytes / 1e6, r.kld_mean), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    front = pareto(quantized)
+    ax.plot([r.nbytes / 1e6 for r in front], [r.kld_mean for r in front], "--", color="grey",
+            label="Pareto front")
+    ax.set_xlabel("weights (MB)")
+    ax.set_ylabel("mean KLD vs bf16 (nats/token, held-out)")
+    ax.set_yscale("log")
+    ax.set_title("quantized variants: fidelity against size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def to_json(results: list[VariantResult]) -> list[dict]:
+    return [r.__dict__ for r in results]
+
+
+def main_eval(source: str, specs: list[str], cache_dir: str, out_json: str | None, out_png: str | None,
+              n_tool: int) -> str:
+    results = compare(source, specs, cache_dir, n_tool=n_tool)
+    text = table(results)
+    if out_json:
+        Path(out_json).write_text(json.dumps(to_json(results), indent=1) + "\n")
+    if out_png:
+        plot(results, Path(out_png))
+    return text
