@@ -55,12 +55,27 @@ def quant_predicate(plan: dict[str, Format]) -> Callable:
     return predicate
 
 
+def _logprobs(model, rows):
+    import mlx.core as mx
+
+    out = []
+    for i in range(rows.shape[0]):
+        lg = model(rows[i:i + 1]).astype(mx.float32)
+        out.append(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+        mx.eval(out[-1])
+    return out
+
+
 def write_variant(src: Path, dst: Path, plan: dict[str, Format], recipe: dict,
-                  transform: Callable | None = None) -> Path:
-    """Quantizes the checkpoint in `src` by `plan` into `dst` (atomically)."""
+                  transform: Callable | None = None, fidelity_rows=None) -> Path:
+    """Quantizes the checkpoint in `src` by `plan` into `dst` (atomically). With
+    `fidelity_rows` (held-out token rows), the measured KLD against the unquantized model is
+    recorded in recipe.json as `measured_kld`."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model, load_tokenizer, quantize_model, save
 
     model, config = load_model(src)  # stored dtypes: bf16 weights, float32 A_log
+    reference = _logprobs(model, fidelity_rows) if fidelity_rows is not None else None
     if transform is not None:
         transform(model)  # e.g. AWQ scales folded into norms, before quantizing
     default = next((f for f in plan.values() if f.bits != 16), Format(4, 64))
@@ -74,6 +89,12 @@ def write_variant(src: Path, dst: Path, plan: dict[str, Format], recipe: dict,
         if fmt.bits == 16:
             config["quantization"][path] = False
     config["quantization_config"] = config["quantization"]
+    if reference is not None:
+        got = _logprobs(model, fidelity_rows)
+        klds = mx.concatenate([(mx.exp(r) * (r - g)).sum(axis=-1).reshape(-1) for r, g in zip(reference, got)])
+        top1 = mx.concatenate([(r.argmax(-1) == g.argmax(-1)).reshape(-1) for r, g in zip(reference, got)])
+        recipe["measured_kld"] = float(klds.mean().item())
+        recipe["measured_top1"] = float(top1.astype(mx.float32).mean().item())
     tokenizer = load_tokenizer(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"

@@ -125,7 +125,7 @@ def _read_recipe(folder: Path) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     return {k: data[k] for k in ("recipe", "bits_per_weight", "bytes", "predicted_kld", "measured_kld",
-                                 "target_bpw") if k in data}
+                                 "measured_top1", "target_bpw", "calibration") if k in data}
 
 
 def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float | None = None,
@@ -150,10 +150,16 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
         manifest["tensors"][path].update(info)
     manifest.update(extra)
     transform = _awq_transform(resolved, formats, manifest, calibration, say) if recipe in AWQ_RECIPES else None
-    artifact.write_variant(resolved.path, dst, formats, manifest, transform=transform)
+    from mlx_lm.utils import load_tokenizer
+
+    from . import calibration as calib
+
+    heldout = calib.build(load_tokenizer(resolved.path), n_rows=8, length=128, split="heldout")
+    artifact.write_variant(resolved.path, dst, formats, manifest, transform=transform,
+                           fidelity_rows=heldout.rows)
     manifest["seconds"] = round(time.time() - started, 1)
-    say(f"recipe {recipe}: wrote {dst} ({manifest['bits_per_weight']:.2f} bits per weight) in "
-        f"{manifest['seconds']}s")
+    say(f"recipe {recipe}: wrote {dst} ({manifest['bits_per_weight']:.2f} bits per weight, measured "
+        f"KLD {manifest.get('measured_kld', float('nan')):.4f}) in {manifest['seconds']}s")
     return manifest
 
 
