@@ -72,6 +72,7 @@ def start_loading(state: ServerState) -> threading.Thread:
 
             def progress(msg: str) -> None:
                 state.detail = msg
+                log.info(msg)
 
             variant = ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress,
                                      target_bpw=s.quant.target_bpw if s.quant.recipe == "mixbit-auto" else None,
@@ -222,20 +223,23 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         check_model(model_id)
         return _card(st)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    def admit(req) -> ServerState:
+        """The checks every generation request passes before any work is done."""
         st = ready_state()
         check_model(req.model)
         _reject_unsupported(req)
+        return st
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        st = admit(req)
         plan = _chat_plan(st, req)
         return await _run(st, request, plan, req.n, req.stream,
                           req.stream_options.include_usage if req.stream_options else False)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(req: CompletionRequest, request: Request):
-        st = ready_state()
-        check_model(req.model)
-        _reject_unsupported(req)
+        st = admit(req)
         plans = _completion_plans(st, req)
         if req.stream and len(plans) > 1:
             raise APIError(400, "streaming accepts one prompt per request", param="prompt")

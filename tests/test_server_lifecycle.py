@@ -67,3 +67,37 @@ def test_serves_an_already_quantized_mlx_checkpoint_as_is(tmp_path, embedded_pat
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     finally:
         s.stop()
+
+
+def test_first_start_quantizes_then_cached_start_is_fast(tmp_path):
+    """The default path: first start quantizes (progress on /ready), later starts verify the cache."""
+    cache = str(tmp_path / "cache")
+    first = ServerProcess(recipe="mixbit-auto", cache_dir=cache)
+    stages = set()
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            try:
+                r = httpx.get(first.url + "/ready", timeout=2)
+                stages.add(r.json()["status"])
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        assert "quantizing" in stages
+        card = httpx.get(first.url + "/v1/models").json()["data"][0]["mixbit"]
+        assert card["recipe"] == "mixbit-auto" and card["bits_per_weight"] <= 4.5
+        assert card["measured_kld"] >= 0
+        body = {"model": MODEL, "messages": ask("Hi, I am Anna."), "max_tokens": 8, "temperature": 0}
+        assert httpx.post(first.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    finally:
+        first.stop()
+    second = ServerProcess(recipe="mixbit-auto", cache_dir=cache)
+    try:
+        started = time.time()
+        second.wait_ready(timeout=120)
+        assert time.time() - started < 30
+        assert "cached variant mixbit-auto verified" in second.log_path.read_text()
+    finally:
+        second.stop()
