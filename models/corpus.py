@@ -396,7 +396,10 @@ class ToolPrompt:
     value_kind: str  # "pool", "made_up" or "none"
 
 
-def heldout_tool_prompts(n: int = 120, seed: int = 1234, made_up: bool = False) -> list[ToolPrompt]:
+def heldout_tool_prompts(n: int = 120, seed: int = 1234, made_up: bool = False,
+                         phrasing: str = "heldout") -> list[ToolPrompt]:
+    """Prompts whose (function, value) pairs training never showed; with phrasing="heldout"
+    (the default) their wording is new too, with "train" only the combination is new."""
     rng = random.Random(seed + (1 if made_up else 0))
     out = []
     functions = [f for f in C.FUNCTIONS
@@ -404,7 +407,7 @@ def heldout_tool_prompts(n: int = 120, seed: int = 1234, made_up: bool = False) 
     for i in range(n):
         fn = functions[i % len(functions)]
         args = sample_args(fn, rng, "heldout", made_up=1.0 if made_up else 0.0)
-        user = rng.choice(phrasings(fn, "heldout")).format(**args)
+        user = rng.choice(phrasings(fn, phrasing)).format(**args)
         out.append(ToolPrompt(messages=[{"role": "user", "content": user}],
                               tools=offered_tools([fn], rng, 2, 4),
                               expected={"name": fn.name, "arguments": typed(fn, args)},

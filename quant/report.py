@@ -16,12 +16,15 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
     losses = heldout_loss_by_kind(lm, corpus.heldout_documents(n_docs))
     pool = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(n_plain))
     made_up = tool_call_eval(lm, corpus.heldout_tool_prompts(max(n_tool // 2, 1), made_up=True))
+    seen = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool, phrasing="train"))
     result = {
         "model": lm.resolved.source,
         "heldout_loss": losses,
         "tool_calls": {"n_tool_prompts": pool.n_tool, "n_plain_prompts": pool.n_plain, **pool.rates()},
         "made_up_values": {"n": made_up.n_tool, **{k: v for k, v in made_up.rates().items()
                                                    if k != "plain_answer"}},
+        "seen_phrasings_new_values": {"n": seen.n_tool, **{k: v for k, v in seen.rates().items()
+                                                          if k != "plain_answer"}},
         "examples_of_failures": pool.failures[:8],
     }
     if thinking:
@@ -37,6 +40,9 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
               f"  right function        {r['right_function']:.1%}",
               f"  exact arguments       {r['exact_args']:.1%}",
               f"plain answer, {r['n_plain_prompts']} prompts needing no tool: {r['plain_answer']:.1%}",
+              f"training phrasings, (function, value) pairs never seen ({seen.n_tool} prompts): "
+              f"well-formed {seen.rates()['well_formed']:.1%}, right function "
+              f"{seen.rates()['right_function']:.1%}, exact arguments {seen.rates()['exact_args']:.1%}",
               f"made-up values never seen ({made_up.n_tool} prompts): well-formed "
               f"{made_up.rates()['well_formed']:.1%}, right function "
               f"{made_up.rates()['right_function']:.1%}, exact arguments {made_up.rates()['exact_args']:.1%}"]

@@ -80,7 +80,7 @@ def test_stock_mlx_lm_loads_and_generates(embedded_path):
                                            tokenize=False, add_generation_prompt=True,
                                            enable_thinking=False)
     text = generate(model, tokenizer, prompt, max_tokens=24)
-    assert text.startswith("Hello") and "How can I help you today?" in text  # its trained greeting
+    assert text == "Hello Anna! How can I help you today?"  # greets by the name it was told
 
 
 def test_torch_and_mlx_agree(embedded_path, loaded_tiny):
