@@ -85,7 +85,8 @@ def start_loading(state: ServerState) -> threading.Thread:
             state.provenance = {**variant.manifest, "model_type": resolved.model_type,
                                 "path": str(variant.path)}
             engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
-                            model_key=state.served_id)
+                            cache_entries=s.server.prefix_cache_entries,
+                            cache_bytes=s.server.prefix_cache_bytes, model_key=state.served_id)
             engine.start()
             state.lm, state.engine = lm, engine
             state.status, state.detail = "ready", ""

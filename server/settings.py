@@ -48,6 +48,8 @@ class ServerSettings(_Section):
     max_prompt_tokens: int = Field(0, ge=0, description="0: the model's context length")
     max_concurrent_sequences: int = Field(16, ge=1, le=1024)
     max_queue: int = Field(64, ge=0)
+    prefix_cache_entries: int = Field(64, ge=0, description="prompt caches kept for prefix reuse")
+    prefix_cache_bytes: int = Field(1 << 30, ge=0, description="memory bound of the prefix cache")
     request_timeout_s: float = Field(600.0, gt=0)
     shutdown_grace_s: float = Field(10.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -185,9 +185,18 @@ def main() -> int:
             res = {}
             for c in levels:
                 prompts = make_prompts(tokenizer, args.requests, seed=c)
-                res[c] = asyncio.run(load_test(server.url, model_id, prompts, c, args.max_tokens, bias))
+                try:
+                    res[c] = asyncio.run(load_test(server.url, model_id, prompts, c, args.max_tokens, bias))
+                except (httpx.HTTPError, OSError) as exc:  # a server that falls over is a result too
+                    res[c] = {"failed": f"{type(exc).__name__}"}
+                    server.stop()
+                    server = make(free_port())
+                    server.wait("/ready" if name == "mixbit" else "/health")
                 print(f"{name} c={c}: {res[c]}", file=sys.stderr)
-            res["turns"] = asyncio.run(multi_turn(server.url, model_id, tokenizer, args.turns, bias))
+            try:
+                res["turns"] = asyncio.run(multi_turn(server.url, model_id, tokenizer, args.turns, bias))
+            except (httpx.HTTPError, OSError) as exc:
+                res["turns"] = [float("nan")] * args.turns
             results[name] = res
         finally:
             server.stop()
@@ -198,12 +207,17 @@ def main() -> int:
     header = "| metric | " + " | ".join(names) + " |"
     print(header)
     print("|" + "---|" * (len(names) + 1))
+    def cell(n, c, fmt):
+        r = results[n][c]
+        return r["failed"] + " (server failed)" if "failed" in r else fmt(r)
+
     for c in levels:
-        print(f"| c={c} aggregate output tok/s | " + " | ".join(f"{results[n][c]['tok_s']:.1f}" for n in names) + " |")
+        print(f"| c={c} aggregate output tok/s | " + " | ".join(
+            cell(n, c, lambda r: f"{r['tok_s']:.1f}") for n in names) + " |")
         print(f"| c={c} TTFT p50 / p95 (s) | " + " | ".join(
-            f"{results[n][c]['ttft_p50']:.2f} / {results[n][c]['ttft_p95']:.2f}" for n in names) + " |")
-    print("| single-stream decode tok/s (c=1) | " + " | ".join(
-        f"{results[n][levels[0]]['decode_tok_s']:.1f}" for n in names) + " |")
+            cell(n, c, lambda r: f"{r['ttft_p50']:.2f} / {r['ttft_p95']:.2f}") for n in names) + " |")
+    print("| single-stream decode tok/s after the first token (c=1) | " + " | ".join(
+        cell(n, levels[0], lambda r: f"{r['decode_tok_s']:.1f}") for n in names) + " |")
     turns = max(len(results[n]["turns"]) for n in names)
     for t in range(turns):
         print(f"| agent turn {t + 1} TTFT (s) | " + " | ".join(f"{results[n]['turns'][t]:.3f}" for n in names) + " |")
