@@ -39,7 +39,9 @@ def test_config_is_published_qwen3_5_layout(config):
 def test_tensor_names_shapes_and_dtypes(config, tensors, embedded_path):
     tc = config["text_config"]
     names = set(tensors)
-    assert "lm_head.weight" in names and "model.language_model.embed_tokens.weight" in names
+    assert "model.language_model.embed_tokens.weight" in names
+    # tied checkpoints (like Qwen3.5's small ones) carry the embedding only
+    assert ("lm_head.weight" in names) == (not config["tie_word_embeddings"])
     assert all(n == "lm_head.weight" or n.startswith("model.language_model.") for n in names)
     with safe_open(str(embedded_path / "model.safetensors"), "pt") as f:
         for i, kind in enumerate(tc["layer_types"]):
@@ -96,7 +98,8 @@ def test_torch_and_mlx_agree(embedded_path, loaded_tiny):
 
     state = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v.float()
              for k, v in load_file(str(embedded_path / "model.safetensors")).items()}
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not cfg.get("tie_word_embeddings"))
+    model.tie_weights()
     ids = loaded_tiny.tokenizer.encode("<|im_start|>user\nWhat's the weather in Oslo?<|im_end|>\n")
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
