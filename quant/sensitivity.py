@@ -10,7 +10,6 @@ errors, and marked as estimated in the table.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -159,14 +158,3 @@ def measure(model: nn.Module, calib: CalibrationSet, bits: tuple[int, ...] = BIT
                   "measured_group_size": MEASURE_GROUP, "bits": list(bits),
                   "method": "one tensor fake-quantized at a time, KL(bf16 || quantized) per token"}
     return table
-
-
-def weights_digest(folder: Path) -> str:
-    """Content hash of a checkpoint's weight files."""
-    h = hashlib.sha256()
-    for f in sorted(folder.glob("*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()

@@ -487,7 +487,6 @@ async def _run(st: ServerState, request: Request, plan: Plan, n: int, stream: bo
                        "shortly", code="queue_full", headers={"Retry-After": "1"})
     loop = asyncio.get_running_loop()
     choices = [_Choice(index=index_base + i) for i in range(n)]
-    tok = st.lm.tokenizer
     template = st.lm.chat_template
     for c in choices:
         if plan.kind == "chat":

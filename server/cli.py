@@ -118,11 +118,11 @@ def cmd_chat(args) -> int:
 
 
 def cmd_train_tiny(args) -> int:
-    try:
-        from mixbit.models.train import TrainConfig, export_from_checkpoint, train
-        import torch  # noqa: F401
-    except ImportError:
-        raise SettingsError("train-tiny needs PyTorch: pip install 'mixbit[train]'") from None
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise SettingsError("train-tiny needs PyTorch: pip install 'mixbit[train]'")
+    from mixbit.models.train import TrainConfig, export_from_checkpoint, train
     cfg = TrainConfig()
     for text in args.set_train:
         key, _, value = text.partition("=")

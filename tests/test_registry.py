@@ -1,6 +1,5 @@
 """Model sources: embedded, local folder, hub (from a local fixture cache), and clear errors."""
 
-import json
 import shutil
 
 import pytest

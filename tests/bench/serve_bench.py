@@ -195,7 +195,7 @@ def main() -> int:
                 print(f"{name} c={c}: {res[c]}", file=sys.stderr)
             try:
                 res["turns"] = asyncio.run(multi_turn(server.url, model_id, tokenizer, args.turns, bias))
-            except (httpx.HTTPError, OSError) as exc:
+            except (httpx.HTTPError, OSError):
                 res["turns"] = [float("nan")] * args.turns
             results[name] = res
         finally:
