@@ -626,11 +626,11 @@ async def _merged_events(request: Request, choices: list[_Choice]):
             for fut in done:
                 c = pending.pop(fut)
                 ev = fut.result()
-                yield c, ev
                 if isinstance(ev, FinishEvent):
-                    c.finish = ev
+                    c.finish = ev  # before the consumer sees it: it reports c.finish's reason
                 else:
                     pending[asyncio.ensure_future(c.queue.get())] = c
+                yield c, ev
     finally:
         for fut in pending:
             fut.cancel()

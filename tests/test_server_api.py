@@ -154,6 +154,10 @@ def test_max_tokens_limits_and_finish_length(client):
     r = client.chat.completions.create(model=MODEL, messages=ask("Count from 1 to 50."), temperature=0,
                                        max_completion_tokens=2)
     assert r.usage.completion_tokens == 2
+    finishes = [c.finish_reason for chunk in client.chat.completions.create(
+        model=MODEL, messages=ask("Count from 1 to 50."), temperature=0, max_tokens=3, stream=True)
+        for c in chunk.choices if c.finish_reason]
+    assert finishes == ["length"]  # streamed, too
 
 
 def test_sixteen_concurrent_streams_are_independent(server, client):
