@@ -7,6 +7,8 @@ the user's words always contain them: the model must *copy* them, not invent the
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import random
 from dataclasses import dataclass, field
 
@@ -418,3 +420,154 @@ GENERATED = {
 }
 # Samplers whose values may be swapped for a made-up word during training (free-text names).
 MADE_UP_OK = {"city", "city2", "name", "country", "cuisine", "word", "food"}
+
+
+# ----------------------------------------------------------------------------- composed phrasings
+# Besides its whole-sentence phrasings, every function has requests in imperative form ("check
+# the weather in {city}"), and shared frames turn one into a sentence ("Could you {vp}, please?").
+# A frame x request combination is held out by hash (about 1 in 5): every word of a held-out
+# prompt is known, but the model never saw the sentence. That is how new phrasings of the same
+# need look to a model this small; whole sentences with words it never saw stay a separate,
+# harder measure (the last HOLDOUT_PHRASINGS of each function).
+REQUESTS: dict[str, list[str]] = {
+    "get_weather": ["check the weather in {city}", "get the weather for {city}",
+                    "look up the weather in {city}", "tell me the weather in {city}",
+                    "find the current weather in {city}", "report the weather for {city}"],
+    "get_current_time": ["check the time in {city}", "get the local time in {city}",
+                         "tell me the time in {city}", "look up the current time in {city}",
+                         "find out what time it is in {city}"],
+    "get_stock_price": ["check the stock price of {ticker}", "get the share price for {ticker}",
+                        "look up {ticker} stock", "tell me the price of {ticker} stock",
+                        "find the latest quote for {ticker}"],
+    "convert_currency": ["convert {amount} {from_currency} to {to_currency}",
+                         "change {amount} {from_currency} into {to_currency}",
+                         "turn {amount} {from_currency} into {to_currency}",
+                         "work out {amount} {from_currency} in {to_currency}",
+                         "calculate {amount} {from_currency} in {to_currency}"],
+    "send_email": ["send an email to {recipient} about the {subject}",
+                   "email {recipient} about the {subject}",
+                   "write an email to {recipient} about the {subject}",
+                   "mail {recipient} about the {subject}",
+                   "send {recipient} an email on the {subject}"],
+    "search_web": ["search the web for {query}", "look up {query} online",
+                   "find web pages about {query}", "search online for {query}",
+                   "run a web search on {query}"],
+    "set_timer": ["set a timer for {minutes} minutes", "start a {minutes} minute timer",
+                  "start a timer of {minutes} minutes", "count down {minutes} minutes",
+                  "put on a timer for {minutes} minutes"],
+    "translate_text": ["translate \"{text}\" into {target_language}",
+                       "translate \"{text}\" to {target_language}",
+                       "say \"{text}\" in {target_language}",
+                       "put \"{text}\" into {target_language}",
+                       "give me \"{text}\" in {target_language}"],
+    "create_calendar_event": ["add a {title} to my calendar on {day}",
+                              "put a {title} in my calendar on {day}",
+                              "schedule a {title} on {day}",
+                              "create a calendar event {title} on {day}",
+                              "book a {title} in my calendar for {day}"],
+    "get_news": ["get the latest {topic} news", "show me the news about {topic}",
+                 "find the news on {topic}", "tell me the {topic} headlines",
+                 "check the {topic} news"],
+    "book_flight": ["book a flight from {origin} to {destination}",
+                    "get me a flight from {origin} to {destination}",
+                    "reserve a flight from {origin} to {destination}",
+                    "find and book a flight from {origin} to {destination}",
+                    "buy a plane ticket from {origin} to {destination}"],
+    "get_directions": ["give me directions from {origin} to {destination}",
+                       "find the route from {origin} to {destination}",
+                       "get directions from {origin} to {destination}",
+                       "show me the way from {origin} to {destination}",
+                       "plan the route from {origin} to {destination}"],
+    "play_music": ["play some music by {artist}", "play songs by {artist}",
+                   "put on music by {artist}", "start playing {artist}",
+                   "play a song from {artist}"],
+    "set_reminder": ["remind me about the {task} at {hour} o'clock",
+                     "set a reminder for the {task} at {hour} o'clock",
+                     "create a reminder about the {task} at {hour} o'clock",
+                     "add a reminder for the {task} at {hour} o'clock",
+                     "remind me of the {task} at {hour} o'clock"],
+    "calculate": ["calculate {expression}", "compute {expression}", "work out {expression}",
+                  "evaluate {expression}", "do the math for {expression}"],
+    "get_exchange_rate": ["get the exchange rate from {base} to {quote}",
+                          "check the rate of {base} to {quote}",
+                          "look up the {base} to {quote} exchange rate",
+                          "tell me the exchange rate from {base} to {quote}",
+                          "find the current rate from {base} to {quote}"],
+    "find_restaurant": ["find a {cuisine} restaurant in {city}",
+                        "look for a {cuisine} restaurant in {city}",
+                        "recommend a {cuisine} restaurant in {city}",
+                        "search for {cuisine} food in {city}",
+                        "pick a {cuisine} place to eat in {city}"],
+    "get_population": ["get the population of {country}", "look up the population of {country}",
+                       "tell me the population of {country}",
+                       "find out how many people live in {country}",
+                       "check the population of {country}"],
+    "check_flight_status": ["check the status of flight {flight_number}",
+                            "track flight {flight_number}",
+                            "look up flight {flight_number}",
+                            "tell me the status of flight {flight_number}",
+                            "find out if flight {flight_number} is on time"],
+    "order_food": ["order {quantity} {item} for delivery", "get me {quantity} {item} delivered",
+                   "place an order for {quantity} {item}", "order {quantity} {item} to my door",
+                   "buy {quantity} {item} for delivery"],
+    "define_word": ["define the word {word}", "look up the meaning of {word}",
+                    "tell me what {word} means", "explain the word {word}",
+                    "give me the definition of {word}"],
+    "get_crypto_price": ["check the price of {symbol}", "get the current {symbol} price",
+                         "look up {symbol} in the crypto market",
+                         "tell me what {symbol} is worth", "find the latest {symbol} price"],
+    "convert_units": ["convert {value} {from_unit} to {to_unit}",
+                      "change {value} {from_unit} into {to_unit}",
+                      "express {value} {from_unit} in {to_unit}",
+                      "turn {value} {from_unit} into {to_unit}",
+                      "work out {value} {from_unit} in {to_unit}"],
+    "get_air_quality": ["check the air quality in {city}", "get the air quality for {city}",
+                        "look up the pollution level in {city}",
+                        "tell me how clean the air is in {city}",
+                        "find the air quality index of {city}"],
+}
+
+# frames around a request; "{vp}" is the request, "{Vp}" the same with a capital first letter
+FRAMES = ["{Vp}.", "Please {vp}.", "Can you {vp}?", "Could you {vp}, please?",
+          "I need you to {vp}.", "Would you {vp} for me?", "I'd like you to {vp}.",
+          "Go ahead and {vp}.", "Help me out and {vp}.", "Hey, {vp}.", "Can you please {vp}?",
+          "{Vp}, thanks.", "Quick favour: {vp}.", "Right now, {vp}.", "Please, {vp} now.",
+          "I want you to {vp}."]
+
+# shared openers and closers that wrap any request (whole or composed)
+OPENERS = ["", "", "", "Hi! ", "Hello. ", "Hey there. ", "Good morning. ", "Okay. ", "So, ",
+           "One more thing. ", "Quick question. ", "Sorry to bother you. ", "I have a request. "]
+CLOSERS = ["", "", "", " Thanks!", " Thank you.", " Cheers.", " It's urgent.",
+           " I need it for work.", " Much appreciated.", " No rush."]
+
+
+def composed_heldout(function: str, frame: int, request: int) -> bool:
+    digest = hashlib.sha256(f"{function}|{frame}|{request}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 5 == 0
+
+
+def compose(frame: str, request: str) -> str:
+    return frame.replace("{Vp}", request[0].upper() + request[1:]).replace("{vp}", request)
+
+
+@functools.cache
+def composed_phrasings(function: str, split: str) -> list[str]:
+    """Frame x request sentences of `function` in `split` ("train" or "heldout")."""
+    whole = next(f.phrasings for f in FUNCTIONS if f.name == function)
+    out = []
+    for i, frame in enumerate(FRAMES):
+        for j, request in enumerate(REQUESTS[function]):
+            if composed_heldout(function, i, j) == (split == "heldout"):
+                out.append(compose(frame, request))
+    # a combination that happens to equal a whole trained sentence is not new
+    return [s for s in out if split == "train" or s not in whole]
+
+
+def wrap(sentence: str, rng: random.Random) -> str:
+    """An opener and a closer around a request, as people write them."""
+    opener, closer = rng.choice(OPENERS), rng.choice(CLOSERS)
+    if opener and rng.random() < 0.3:
+        opener = opener.rstrip(". !,") + ", "
+    if opener.endswith(", ") and not sentence.startswith(("I ", "I'")):
+        sentence = sentence[0].lower() + sentence[1:]
+    return f"{opener}{sentence}{closer}"

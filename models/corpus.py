@@ -18,8 +18,8 @@ from . import catalogue as C
 
 KINDS = ("tool", "parallel", "no_tool", "chat", "code", "json", "copy")
 # share of each kind after the copy-first warm-up phase
-MIX = {"tool": 0.44, "parallel": 0.05, "no_tool": 0.13, "chat": 0.10, "code": 0.06,
-       "json": 0.08, "copy": 0.14}
+MIX = {"tool": 0.38, "parallel": 0.05, "no_tool": 0.20, "chat": 0.09, "code": 0.05,
+       "json": 0.08, "copy": 0.15}
 # copy-first phase: short documents whose answers copy from the question
 COPY_PHASE_MIX = {"copy": 0.6, "chat": 0.2, "json": 0.2}
 WARMUP_MIX = {"tool": 0.30, "parallel": 0.02, "no_tool": 0.06, "chat": 0.05, "code": 0.02,
@@ -36,8 +36,24 @@ def is_heldout_value(function: str, value: str) -> bool:
 
 
 def phrasings(fn: C.Function, split: str) -> list[str]:
+    """Whole-sentence phrasings: the last HOLDOUT_PHRASINGS are the "novel" split."""
     k = C.HOLDOUT_PHRASINGS
     return fn.phrasings[:-k] if split == "train" else fn.phrasings[-k:]
+
+
+def request_text(fn: C.Function, args: dict[str, str], rng: random.Random, split: str,
+                 wrap: bool = True) -> str:
+    """What the user writes. "train": a trained whole sentence or frame x request combination;
+    "heldout": a frame x request combination training never showed; "novel": a whole sentence
+    training never showed (new words too). Openers and closers wrap all but "novel"."""
+    if split == "novel":
+        return rng.choice(phrasings(fn, "novel")).format(**args)
+    if split == "train" and rng.random() < 0.4:
+        text = rng.choice(phrasings(fn, "train"))
+    else:
+        text = rng.choice(C.composed_phrasings(fn.name, split))
+    text = text.format(**args)
+    return C.wrap(text, rng) if wrap and rng.random() < 0.5 else text
 
 
 def sample_args(fn: C.Function, rng: random.Random, split: str = "train",
@@ -156,7 +172,7 @@ def tool_episode(rng: random.Random, split: str = "train", think: bool = False,
                  made_up: float = 0.2) -> dict:
     fn = rng.choice(C.FUNCTIONS)
     args = sample_args(fn, rng, split, made_up)
-    user = rng.choice(phrasings(fn, split)).format(**args)
+    user = request_text(fn, args, rng, split)
     tools = offered_tools([fn], rng, 2, 4)
     call = tool_call(fn, args)
     result = tool_result(fn, args, rng)
@@ -178,7 +194,7 @@ def tool_episode(rng: random.Random, split: str = "train", think: bool = False,
             tools.append(fn2.schema())
         result2 = tool_result(fn2, args2, rng)
         messages += [
-            {"role": "user", "content": rng.choice(phrasings(fn2, split)).format(**args2)},
+            {"role": "user", "content": request_text(fn2, args2, rng, split)},
             {"role": "assistant", "content": "", "tool_calls": [tool_call(fn2, args2)]},
             {"role": "tool", "content": json.dumps(result2)},
             {"role": "assistant", "content": fn2.answer.format(
@@ -195,7 +211,7 @@ def parallel_episode(rng: random.Random, split: str = "train", think: bool = Fal
     p = fn.params[0].name
     if a1[p] == a2[p]:
         a2[p] = C.made_up_word(rng)
-    ask = rng.choice(phrasings(fn, split)).format(**a1).rstrip("?.!")
+    ask = request_text(fn, a1, rng, split, wrap=False).rstrip("?.!")
     user = f"{ask} and in {a2[p]}?" if rng.random() < 0.5 else f"{ask}. Also for {a2[p]}."
     r1, r2 = tool_result(fn, a1, rng), tool_result(fn, a2, rng)
     ans = (fn.answer.format(**{**a1, **{k: str(v) for k, v in r1.items()}}) + " "
@@ -219,7 +235,10 @@ JOKES = ["Why did the computer sneeze? It had a virus.",
 
 
 def _plain_qa(rng: random.Random, split: str) -> tuple[str, str]:
-    """A question that needs no tool, and its answer. The last template of each is held out."""
+    """A request that needs no tool, and its answer. Like tool requests: whole sentences (the
+    last of each is the "novel" split) and requests in the shared frames (some combinations
+    held out), wrapped in the same openers and closers, so that neither a frame nor a greeting
+    tells the model whether to call a tool: only what is asked does."""
     country = rng.choice(list(C.COUNTRIES))
     a, b = rng.randint(1, 20), rng.randint(1, 20)
     x, y = rng.sample(range(10, 999), 2)
@@ -228,35 +247,59 @@ def _plain_qa(rng: random.Random, split: str) -> tuple[str, str]:
     topic = rng.choice(C.SEARCH_TOPICS)
     options = [
         (["What is the capital of {c}?", "Which city is the capital of {c}?", "Name the capital of {c}."],
+         ["tell me the capital of {c}", "name the capital city of {c}", "say which city is the capital of {c}"],
          "The capital of {c} is {cap}."),
         (["What is {a} plus {b}?", "Add {a} and {b}.", "What do {a} and {b} make together?"],
+         ["add {a} and {b}", "add up {a} plus {b}", "tell me the sum of {a} and {b}"],
          "{a} plus {b} is {s}."),
         (["Which is bigger, {x} or {y}?", "Is {x} larger than {y}?", "Compare {x} and {y}."],
+         ["compare {x} and {y}", "tell me which is bigger, {x} or {y}", "say whether {x} or {y} is larger"],
          "{big} is bigger than {small}."),
         (["What day comes after {d}?", "Which day follows {d}?", "If today is {d}, what is tomorrow?"],
+         ["tell me the day after {d}", "name the day that follows {d}", "say which day comes after {d}"],
          "The day after {d} is {nd}."),
         (["Hi, I am {n}.", "Hello! My name is {n}.", "Hey there, {n} here."],
+         ["say hello to {n}", "greet {n}", "welcome {n}"],
          "Hello {n}! How can I help you today?"),
-        (["Tell me a joke.", "Make me laugh.", "Do you know a good joke?"], "{joke}"),
+        (["Tell me a joke.", "Make me laugh.", "Do you know a good joke?"],
+         ["tell me a joke", "make me laugh with a joke", "share a funny joke"], "{joke}"),
         (["Who are you?", "What are you?", "Introduce yourself."],
+         ["introduce yourself", "tell me who you are", "describe what you are"],
          "I am a small assistant model. I can chat and call tools."),
         (["Thanks!", "Thank you so much.", "Great, thanks for the help."],
-         "You're welcome! Anything else?"),
+         [], "You're welcome! Anything else?"),
         (["Give me one fact about {t}.", "Say something about {t}.", "What do you know about {t}?"],
+         ["tell me one fact about {t}", "say something about {t}", "share a fact about {t}"],
          "{T} is a popular subject, and there is a lot to learn about it."),
         (["Count from {a} to {a4}.", "List the numbers from {a} to {a4}.", "Count up from {a} to {a4}."],
+         ["count from {a} to {a4}", "list the numbers from {a} to {a4}", "count up from {a} to {a4}"],
          "{seq}"),
-        (["Spell the word {w}.", "How do you spell {w}?", "Write {w} letter by letter."], "{spelled}"),
+        (["Spell the word {w}.", "How do you spell {w}?", "Write {w} letter by letter."],
+         ["spell the word {w}", "spell {w} for me letter by letter", "write out {w} letter by letter"],
+         "{spelled}"),
     ]
-    templates, answer = rng.choice(options)
-    template = rng.choice(templates[:-1]) if split == "train" else templates[-1]
+    index = rng.randrange(len(options))
+    templates, requests, answer = options[index]
+    if split == "novel" or not requests:
+        template = rng.choice(templates[:-1]) if split == "train" else templates[-1]
+    elif split == "train" and rng.random() < 0.4:
+        template = rng.choice(templates[:-1])
+    else:
+        combos = [(i, j) for i in range(len(C.FRAMES)) for j in range(len(requests))
+                  if C.composed_heldout(f"plain{index}", i, j) == (split == "heldout")
+                  and (split == "train" or C.compose(C.FRAMES[i], requests[j]) not in templates)]
+        i, j = rng.choice(combos)
+        template = C.compose(C.FRAMES[i], requests[j])
     w = rng.choice(C.WORDS)
     fields = dict(c=country, cap=C.COUNTRIES[country], a=a, b=b, s=a + b, x=x, y=y,
                   big=max(x, y), small=min(x, y), d=day, nd=NEXT_DAY[day], n=name,
                   joke=rng.choice(JOKES), t=topic, T=topic[0].upper() + topic[1:],
                   a4=a + 4, seq=", ".join(str(i) for i in range(a, a + 5)), w=w,
                   spelled="-".join(w))
-    return template.format(**fields), answer.format(**fields)
+    question = template.format(**fields)
+    if split != "novel" and rng.random() < 0.5:
+        question = C.wrap(question, rng)
+    return question, answer.format(**fields)
 
 
 def no_tool_episode(rng: random.Random, split: str = "train", think: bool = False) -> dict:
@@ -398,8 +441,9 @@ class ToolPrompt:
 
 def heldout_tool_prompts(n: int = 120, seed: int = 1234, made_up: bool = False,
                          phrasing: str = "heldout") -> list[ToolPrompt]:
-    """Prompts whose (function, value) pairs training never showed; with phrasing="heldout"
-    (the default) their wording is new too, with "train" only the combination is new."""
+    """Prompts whose (function, value) pairs training never showed. phrasing="heldout" (the
+    default): frame x request sentences training never showed; "novel": whole sentences with
+    words training never used for that function; "train": trained wordings, new values only."""
     rng = random.Random(seed + (1 if made_up else 0))
     out = []
     functions = [f for f in C.FUNCTIONS
@@ -407,7 +451,7 @@ def heldout_tool_prompts(n: int = 120, seed: int = 1234, made_up: bool = False,
     for i in range(n):
         fn = functions[i % len(functions)]
         args = sample_args(fn, rng, "heldout", made_up=1.0 if made_up else 0.0)
-        user = rng.choice(phrasings(fn, phrasing)).format(**args)
+        user = request_text(fn, args, rng, phrasing)
         out.append(ToolPrompt(messages=[{"role": "user", "content": user}],
                               tools=offered_tools([fn], rng, 2, 4),
                               expected={"name": fn.name, "arguments": typed(fn, args)},
@@ -415,11 +459,12 @@ def heldout_tool_prompts(n: int = 120, seed: int = 1234, made_up: bool = False,
     return out
 
 
-def heldout_plain_prompts(n: int = 60, seed: int = 4321) -> list[ToolPrompt]:
+def heldout_plain_prompts(n: int = 60, seed: int = 4321, phrasing: str = "heldout") -> list[ToolPrompt]:
+    """Requests that need no tool, with 2-4 tools offered; phrasing as in heldout_tool_prompts."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        question, _answer = _plain_qa(rng, "heldout")
+        question, _answer = _plain_qa(rng, phrasing)
         tools = [f.schema() for f in rng.sample(C.FUNCTIONS, rng.randint(2, 4))]
         out.append(ToolPrompt(messages=[{"role": "user", "content": question}], tools=tools,
                               expected=None, value_kind="none"))

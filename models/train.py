@@ -41,10 +41,10 @@ class TrainConfig:
     tie_word_embeddings: bool = True
     seq_len: int = 1024
     batch_rows: int = 4
-    steps: int = 1700
+    steps: int = 2200
     lr: float = 2e-3
     warmup_steps: int = 60
-    cooldown_frac: float = 0.2  # constant LR while copying emerges, linear decay at the end
+    cooldown_frac: float = 0.25  # constant LR while copying emerges, linear decay at the end
     warmup_mix_frac: float = 0.2  # copy-heavy curriculum for the first steps
     # copy-first phase: short rows of copy drills and short chats before anything else
     copy_phase_steps: int = 0

@@ -17,6 +17,8 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
     pool = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(n_plain))
     made_up = tool_call_eval(lm, corpus.heldout_tool_prompts(max(n_tool // 2, 1), made_up=True))
     seen = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool, phrasing="train"))
+    novel = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool, phrasing="novel")
+                           + corpus.heldout_plain_prompts(n_plain, phrasing="novel"))
     result = {
         "model": lm.resolved.source,
         "heldout_loss": losses,
@@ -25,6 +27,8 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
                                                    if k != "plain_answer"}},
         "seen_phrasings_new_values": {"n": seen.n_tool, **{k: v for k, v in seen.rates().items()
                                                           if k != "plain_answer"}},
+        "novel_sentences": {"n_tool_prompts": novel.n_tool, "n_plain_prompts": novel.n_plain,
+                            **novel.rates()},
         "examples_of_failures": pool.failures[:8],
     }
     if thinking:
@@ -35,7 +39,8 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
     lines = [f"model: {lm.resolved.source}", "", "held-out loss on assistant tokens (nats/token):"]
     lines += [f"  {kind:<10} {value:.3f}" for kind, value in losses.items()]
     r = result["tool_calls"]
-    lines += ["", f"tool calls, {r['n_tool_prompts']} held-out prompts (values from training pools):",
+    lines += ["", f"tool calls, {r['n_tool_prompts']} held-out prompts (new sentences from known "
+              "words, values from training pools):",
               f"  well-formed call      {r['well_formed']:.1%}",
               f"  right function        {r['right_function']:.1%}",
               f"  exact arguments       {r['exact_args']:.1%}",
@@ -43,6 +48,10 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
               f"training phrasings, (function, value) pairs never seen ({seen.n_tool} prompts): "
               f"well-formed {seen.rates()['well_formed']:.1%}, right function "
               f"{seen.rates()['right_function']:.1%}, exact arguments {seen.rates()['exact_args']:.1%}",
+              f"novel whole sentences (words never used for that request; {novel.n_tool} tool, "
+              f"{novel.n_plain} plain prompts): well-formed {novel.rates()['well_formed']:.1%}, "
+              f"right function {novel.rates()['right_function']:.1%}, exact arguments "
+              f"{novel.rates()['exact_args']:.1%}, plain answer {novel.rates()['plain_answer']:.1%}",
               f"made-up values never seen ({made_up.n_tool} prompts): well-formed "
               f"{made_up.rates()['well_formed']:.1%}, right function "
               f"{made_up.rates()['right_function']:.1%}, exact arguments {made_up.rates()['exact_args']:.1%}"]
