@@ -25,6 +25,7 @@ from mixbit.quant.variants import ensure_variant
 from . import errors
 from .engine import Engine, FinishEvent, TokenEvent, async_emitter
 from .errors import APIError
+from .grammar import CompiledGrammar, GrammarEngine, GrammarError, chat_grammar
 from .protocol import (UNSUPPORTED, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChoiceLogprobs, Completion,
                        CompletionChoice, CompletionLogprobs, CompletionRequest, FunctionCallOut, ModelCard,
@@ -44,6 +45,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     lm: LoadedModel | None = None
     engine: Engine | None = None
+    grammar: GrammarEngine | None = None
     served_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     provenance: dict = field(default_factory=dict)
@@ -87,6 +89,8 @@ def start_loading(state: ServerState) -> threading.Thread:
             engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                             cache_entries=s.server.prefix_cache_entries,
                             cache_bytes=s.server.prefix_cache_bytes, model_key=state.served_id)
+            state.grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
+                                          sorted(lm.tokenizer.eos_token_ids))
             engine.start()
             state.lm, state.engine = lm, engine
             state.status, state.detail = "ready", ""
@@ -296,6 +300,8 @@ class Plan:
     opened_think: bool = False
     echo: str = ""
     parallel: bool = True  # parallel_tool_calls: false returns the first call only
+    grammar: CompiledGrammar | None = None
+    forced_tools: bool = False  # tool_choice required / named
 
 
 def _sampling(st: ServerState, req, max_tokens: int | None, prompt_len: int,
@@ -366,14 +372,6 @@ def _chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
     choice = req.tool_choice
     if tools is None and choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
-    if choice == "required" or isinstance(choice, dict):
-        raise APIError(400, "tool_choice 'required' or a named function needs constrained "
-                       "decoding, which this server does not offer yet", param="tool_choice",
-                       code="unsupported_parameter")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(400, f"response_format {fmt!r} needs constrained decoding, which this server "
-                       "does not offer yet", param="response_format", code="unsupported_parameter")
     kwargs = dict(req.chat_template_kwargs or {})
     thinking = bool(kwargs.pop("enable_thinking", st.settings.generation.enable_thinking))
     render_tools = tools if choice != "none" else None
@@ -388,9 +386,22 @@ def _chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
     ids = st.lm.tokenizer.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = _sampling(st, req, max_tokens, len(ids), req.top_logprobs or 0)
+    opened_think = prompt_opens_think(text)
+    parallel = req.parallel_tool_calls is not False
+    parser = parser_for_template(st.lm.chat_template)
+    try:
+        grammar = chat_grammar(render_tools, choice, parallel, req.response_format, opened_think,
+                               "json" if parser.__class__.__name__ == "JsonToolParser" else "xml")
+        compiled = st.grammar.compile(grammar) if grammar else None
+    except GrammarError as exc:
+        param = exc.param or ("response_format" if req.response_format else "tools")
+        raise APIError(400, f"cannot enforce this {param}: {exc}", param=param,
+                       code="unsupported_schema" if "cannot" in str(exc) or "Unknown" in str(exc)
+                       else "invalid_value") from None
     return Plan(kind="chat", prompt_ids=ids, params=params, prompt_text=text, tools=render_tools,
-                parse_tools=render_tools is not None, opened_think=prompt_opens_think(text),
-                parallel=req.parallel_tool_calls is not False)
+                parse_tools=render_tools is not None, opened_think=opened_think,
+                parallel=parallel, grammar=compiled,
+                forced_tools=choice == "required" or isinstance(choice, dict))
 
 
 def _completion_plans(st: ServerState, req: CompletionRequest) -> list[Plan]:
@@ -492,8 +503,10 @@ async def _run(st: ServerState, request: Request, plan: Plan, n: int, stream: bo
         if plan.kind == "chat":
             c.parser = StreamingOutputParser(parser_for_template(template), plan.tools,
                                              plan.opened_think, parse_tools=plan.parse_tools)
+        extra = [st.grammar.processor(plan.grammar)] if plan.grammar is not None else None
         c.seq = st.engine.submit(plan.prompt_ids, plan.params, async_emitter(loop, c.queue),
-                                 draw_index=c.index, timeout_s=s.request_timeout_s)
+                                 extra_processors=extra, draw_index=c.index,
+                                 timeout_s=s.request_timeout_s)
     st.inflight += n
     rid = new_id("chatcmpl" if plan.kind == "chat" else "cmpl")
     if stream:

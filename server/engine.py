@@ -155,19 +155,30 @@ class Engine:
         stream = mx.new_stream(mx.default_device())
         try:
             with mx.stream(stream):
-                gen = BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos_ids],
-                                     completion_batch_size=self.max_batch,
-                                     prefill_batch_size=min(self.max_batch, 8),
-                                     prefill_step_size=self.prefill_step, stream=stream)
+                gen = self._generator(stream)
                 while not self._stop.is_set():
                     self._drain_inbox(gen, block=not self._active)
-                    if self._active:
+                    if not self._active:
+                        continue
+                    try:
                         self._step(gen)
+                    except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
+                        log.exception("a decode step failed; ending the %d sequences of this "
+                                      "batch with an error", len(self._active))
+                        for seq in list(self._active.values()):
+                            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+                        gen = self._generator(stream)
         except BaseException as exc:  # the engine must never die silently
             log.exception("engine thread failed")
             self.error = exc
             for seq in list(self._active.values()):
                 self._finish(seq, "error", error=str(exc))
+
+    def _generator(self, stream) -> BatchGenerator:
+        return BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos_ids],
+                              completion_batch_size=self.max_batch,
+                              prefill_batch_size=min(self.max_batch, 8),
+                              prefill_step_size=self.prefill_step, stream=stream)
 
     def _drain_inbox(self, gen: BatchGenerator, block: bool) -> None:
         try:

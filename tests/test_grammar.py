@@ -1,0 +1,136 @@
+"""Grammar-constrained decoding with the embedded model: random schemas always validate, tool
+grammars only admit offered functions with valid arguments, and what cannot be enforced is
+refused. (The server-level behaviour, through the openai SDK, is in test_server_tools.py.)"""
+
+import json
+import random
+
+import jsonschema
+import pytest
+from mlx_lm.generate import stream_generate
+
+from mixbit.models.loading import render_chat
+from mixbit.models.toolcall import XmlToolParser, parse_output
+from mixbit.server.grammar import (GrammarEngine, GrammarError, chat_grammar, json_grammar,
+                                   strictify, tool_call_grammar)
+from mixbit.server.sampling import SamplingParams, make_sampler
+
+from .schemas import random_schema
+
+
+@pytest.fixture(scope="module")
+def grammar(loaded_tiny):
+    cfg = loaded_tiny.config.get("text_config", loaded_tiny.config)
+    return GrammarEngine(loaded_tiny.tokenizer._tokenizer, cfg["vocab_size"],
+                         sorted(loaded_tiny.tokenizer.eos_token_ids))
+
+
+def generate(lm, grammar, text: str, prompt: str, seed: int, max_tokens: int = 400,
+             tools=None, thinking=False):
+    prompt_text = render_chat(lm.tokenizer, [{"role": "user", "content": prompt}], tools,
+                              enable_thinking=thinking)
+    ids = lm.tokenizer.encode(prompt_text, add_special_tokens=False)
+    proc = grammar.processor(grammar.compile(text))
+    out, finish = "", None
+    for r in stream_generate(lm.model, lm.tokenizer, ids, max_tokens=max_tokens,
+                             sampler=make_sampler(SamplingParams(temperature=1.0, seed=seed)),
+                             logits_processors=[proc]):
+        out += r.text
+        finish = r.finish_reason
+    assert proc.failed is None, proc.failed
+    return out, finish
+
+
+def test_200_random_schemas_always_validate(loaded_tiny, grammar):
+    rng = random.Random(7)
+    features = {"anyOf": 0, "$ref": 0, "enum": 0, "array": 0}
+    for i in range(200):
+        schema = random_schema(rng)
+        dumped = json.dumps(schema)
+        for key in features:
+            features[key] += key in dumped if key != "array" else '"array"' in dumped
+        text, finish = generate(loaded_tiny, grammar, json_grammar(schema, True, False),
+                                f"Reply with JSON for {', '.join(schema['properties'])}.", seed=i)
+        assert finish == "stop", (i, schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    assert all(n >= 10 for n in features.values()), features  # the mix covered every feature
+
+
+def test_json_object_mode_gives_an_object(loaded_tiny, grammar):
+    for seed in range(5):
+        text, finish = generate(loaded_tiny, grammar, json_grammar(None, False, False),
+                                "Tell me a joke.", seed=seed, max_tokens=600)
+        if finish == "stop":  # free-form objects can outgrow a budget; finished ones must parse
+            assert isinstance(json.loads(text), dict)
+
+
+def test_strict_closes_open_objects():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
+                                               "b": {"type": "array", "items": {"type": "object"}}}}
+    out = strictify(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["b"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is untouched
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "set_timer", "parameters": {
+        "type": "object", "properties": {"minutes": {"type": "integer", "minimum": 1, "maximum": 90},
+                                         "label": {"type": "string"}},
+        "required": ["minutes"]}}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}},
+]
+
+
+@pytest.mark.parametrize("prompt", ["Tell me a joke.", "What is 3 plus 4?", "Set a timer for 500 minutes."])
+def test_required_tool_call_always_names_an_offered_function_with_valid_arguments(loaded_tiny, grammar, prompt):
+    g = chat_grammar(TOOLS, "required", True, None, False, "xml")
+    for seed in range(4):
+        text, finish = generate(loaded_tiny, grammar, g, prompt, seed, tools=TOOLS)
+        assert finish == "stop"
+        parsed = parse_output(text, XmlToolParser(), TOOLS, False)
+        assert parsed.tool_calls and not parsed.content, text
+        for call in parsed.tool_calls:
+            tool = next(t for t in TOOLS if t["function"]["name"] == call.name)
+            jsonschema.validate(call.arguments, tool["function"]["parameters"])
+
+
+def test_named_function_is_the_one_called(loaded_tiny, grammar):
+    g = chat_grammar(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, False,
+                     None, False, "xml")
+    text, _ = generate(loaded_tiny, grammar, g, "Set a timer for 5 minutes.", 0, tools=TOOLS)
+    calls = parse_output(text, XmlToolParser(), TOOLS, False).tool_calls
+    assert [c.name for c in calls] == ["get_weather"]
+    assert calls[0].arguments["unit"] in ("c", "f")
+
+
+def test_thinking_stays_free_and_the_constraint_starts_after_it(loaded_tiny, grammar):
+    g = chat_grammar(None, None, True, {"type": "json_object"}, True, "xml")
+    text, finish = generate(loaded_tiny, grammar, g, "Make a JSON object for Anna who is 31 "
+                            "years old, keys name and age.", 0, thinking=True, max_tokens=300)
+    parsed = parse_output(text, XmlToolParser(), None, True)
+    assert finish == "stop"
+    assert isinstance(json.loads(parsed.content), dict)
+
+
+def test_what_cannot_be_enforced_is_refused(grammar):
+    with pytest.raises(GrammarError, match="pattern"):
+        tool_call_grammar([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$"}}}}}])
+    with pytest.raises(GrammarError, match="format"):
+        grammar.compile(json_grammar({"type": "object", "properties": {
+            "a": {"type": "string", "format": "no-such-format"}}}, True, False))
+    with pytest.raises(GrammarError, match="not among the tools"):
+        chat_grammar(TOOLS, {"type": "function", "function": {"name": "nope"}}, True, None,
+                     False, "xml")
+
+
+def test_compiled_grammars_are_cached(grammar):
+    g = json_grammar({"type": "object", "properties": {"q": {"type": "integer"}}}, True, False)
+    first = grammar.compile(g)
+    hits = grammar.hits
+    assert grammar.compile(g) is first and grammar.hits == hits + 1
