@@ -15,6 +15,7 @@ enforces what JSON Schema asks, and refuses what it cannot), Qwen's special toke
 from __future__ import annotations
 
 import copy
+import time
 import json
 import threading
 from collections import OrderedDict
@@ -174,6 +175,7 @@ def json_grammar(schema: dict | None, strict: bool, thinking: bool) -> str:
 class CompiledGrammar:
     text: str
     compile_ms: float
+    prototype: object  # a fresh LLMatcher; each sequence decodes with a deep copy of it
 
 
 class GrammarEngine:
@@ -197,8 +199,7 @@ class GrammarEngine:
         self.last_compile_ms = 0.0
 
     def compile(self, grammar: str) -> CompiledGrammar:
-        """Validate (the expensive, cached part) or raise GrammarError with llguidance's reason."""
-        import time
+        """Compile (the expensive, cached part) or raise GrammarError with llguidance's reason."""
 
         with self._lock:
             hit = self._cache.get(grammar)
@@ -210,7 +211,7 @@ class GrammarEngine:
         matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(_short_error(matcher.get_error()))
-        compiled = CompiledGrammar(grammar, (time.perf_counter() - started) * 1000)
+        compiled = CompiledGrammar(grammar, (time.perf_counter() - started) * 1000, matcher)
         with self._lock:
             self.misses += 1
             self.last_compile_ms = compiled.compile_ms
@@ -220,8 +221,7 @@ class GrammarEngine:
         return compiled
 
     def processor(self, compiled: CompiledGrammar) -> GrammarProcessor:
-        return GrammarProcessor(self._ll.LLMatcher(self.tokenizer, compiled.text, log_level=0),
-                                self.vocab_size)
+        return GrammarProcessor(compiled.prototype.deep_copy(), self.vocab_size)
 
 
 def _short_error(text: str) -> str:
