@@ -155,6 +155,9 @@ class StreamingOutputParser:
         self.content_started = False
         self.pending_ws = ""
 
+    def _offered(self, name: str) -> bool:
+        return any((t.get("function") or t).get("name") == name for t in self.tools or [])
+
     def _content(self, text: str, final: bool = False) -> list[OutputEvent]:
         if not self.content_started:
             text = text.lstrip()
@@ -189,6 +192,10 @@ class StreamingOutputParser:
         except (ValueError, json.JSONDecodeError) as exc:
             self.announced = False
             return [OutputEvent("error", f"unparsable tool call: {exc}", index=index)]
+        if not self._offered(call.name):  # never hand a client a function it did not offer
+            self.announced = False
+            return [OutputEvent("error", f"tool call names {call.name!r}, which is not an offered "
+                                "tool; dropped", index=index)]
         self.calls.append(call)
         events = [] if self.announced else [OutputEvent("call_start", index=index, name=call.name)]
         self.announced = False
@@ -245,7 +252,7 @@ class StreamingOutputParser:
                 end = self.buf.find(CALL_CLOSE)
                 if not self.announced:
                     m = re.search(r"<function=([^>\n]+)>", self.buf)
-                    if m:
+                    if m and self._offered(m.group(1).strip()):
                         self.announced = True
                         events.append(OutputEvent("call_start", index=len(self.calls),
                                                   name=m.group(1).strip()))

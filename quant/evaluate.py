@@ -67,7 +67,8 @@ def tool_call_eval(lm: LoadedModel, prompts: list[corpus.ToolPrompt], enable_thi
         offered = {t["function"]["name"] for t in p.tools}
         if p.expected is None:
             ev.n_plain += 1
-            ok = not parsed.tool_calls and "<tool_call>" not in parsed.content and bool(parsed.content)
+            ok = (not parsed.tool_calls and not parsed.errors and "<tool_call>" not in parsed.content
+                  and bool(parsed.content))
             ev.plain_ok += ok
             if not ok:
                 ev.failures.append({"prompt": p.messages[-1]["content"], "output": out})

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from pydantic import ValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
@@ -25,6 +26,7 @@ from mixbit.quant.variants import ensure_variant
 from . import errors
 from .engine import Engine, FinishEvent, TokenEvent, async_emitter
 from .errors import APIError
+from .responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, usage_of
 from .grammar import CompiledGrammar, GrammarEngine, GrammarError, chat_grammar
 from .protocol import (UNSUPPORTED, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChoiceLogprobs, Completion,
@@ -46,6 +48,7 @@ class ServerState:
     lm: LoadedModel | None = None
     engine: Engine | None = None
     grammar: GrammarEngine | None = None
+    responses: ResponseStore = field(default_factory=ResponseStore)
     served_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     provenance: dict = field(default_factory=dict)
@@ -242,6 +245,47 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         return await _run(st, request, plan, req.n, req.stream,
                           req.stream_options.include_usage if req.stream_options else False)
 
+    @app.post("/v1/responses", dependencies=[Depends(auth)])
+    async def responses(req: ResponsesRequest, request: Request):
+        st = ready_state()
+        check_model(req.model)
+        history: list[dict] = []
+        if req.previous_response_id:
+            found = st.responses.get(req.previous_response_id)
+            if found is None:
+                raise APIError(404, f"no stored response {req.previous_response_id!r} (this server "
+                               f"keeps the last {st.responses.capacity}, in memory)",
+                               param="previous_response_id", code="response_not_found")
+            history = found
+        body = chat_body(req, history)
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise APIError(400, f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}",
+                           code="invalid_value") from None
+        plan = _chat_plan(st, chat)
+        (choice,) = _start(st, plan, 1)
+        builder = ResponseBuilder(req, st.served_id)
+        # what a continuation sees: the messages without this request's instructions
+        conversation = body["messages"][1:] if req.instructions else body["messages"]
+        if req.stream:
+            return EventSourceResponse(_stream_response(st, request, plan, choice, builder,
+                                                        conversation), ping=15, send_timeout=30)
+        try:
+            await _collect(request, st, [choice])
+        finally:
+            _release(st, [choice])
+        events = choice.parser.feed(choice.text) + choice.parser.finish()
+        builder.feed(events, plan.parallel)
+        builder.finish(choice.finish.reason if choice.finish else "stop", usage_of(choice.finish))
+        if req.store:
+            st.responses.put(builder.id, conversation + builder.messages())
+        return builder.response("incomplete" if choice.finish and choice.finish.reason == "length"
+                                else "completed", usage_of(choice.finish),
+                                "max_output_tokens" if choice.finish and choice.finish.reason == "length"
+                                else None)
+
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(req: CompletionRequest, request: Request):
         st = admit(req)
@@ -391,7 +435,8 @@ def _chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
     parser = parser_for_template(st.lm.chat_template)
     try:
         grammar = chat_grammar(render_tools, choice, parallel, req.response_format, opened_think,
-                               "json" if parser.__class__.__name__ == "JsonToolParser" else "xml")
+                               "json" if parser.__class__.__name__ == "JsonToolParser" else "xml",
+                               names_under_auto=st.settings.generation.tool_grammar)
         compiled = st.grammar.compile(grammar) if grammar else None
     except GrammarError as exc:
         param = exc.param or ("response_format" if req.response_format else "tools")
@@ -490,8 +535,8 @@ def _finish_reason(choice: _Choice, calls: int) -> str:
     return {"timeout": "length"}.get(reason, reason)
 
 
-async def _run(st: ServerState, request: Request, plan: Plan, n: int, stream: bool,
-               include_usage: bool, index_base: int = 0):
+def _start(st: ServerState, plan: Plan, n: int, index_base: int = 0) -> list[_Choice]:
+    """Admits `n` sequences of one plan to the engine (or 429 when the queue is full)."""
     s = st.settings.server
     if st.inflight + n > s.max_concurrent_sequences + s.max_queue:
         raise APIError(429, f"the server is at capacity ({st.inflight} sequences in flight); retry "
@@ -508,6 +553,12 @@ async def _run(st: ServerState, request: Request, plan: Plan, n: int, stream: bo
                                  extra_processors=extra, draw_index=c.index,
                                  timeout_s=s.request_timeout_s)
     st.inflight += n
+    return choices
+
+
+async def _run(st: ServerState, request: Request, plan: Plan, n: int, stream: bool,
+               include_usage: bool, index_base: int = 0):
+    choices = _start(st, plan, n, index_base)
     rid = new_id("chatcmpl" if plan.kind == "chat" else "cmpl")
     if stream:
         gen = _stream_chat(st, request, plan, choices, rid, include_usage) if plan.kind == "chat" \
@@ -681,6 +732,30 @@ async def _stream_chat(st, request, plan, choices, rid, include_usage):
         yield "[DONE]"
     finally:
         _release(st, choices)
+
+
+async def _stream_response(st, request, plan, choice, builder, conversation):
+    try:
+        for event in builder.start():
+            yield {"event": event["type"], "data": json.dumps(event)}
+        async for c, ev in _merged_events(request, [choice]):
+            if isinstance(ev, FinishEvent) and ev.reason == "error":
+                err = {"type": "error", "code": "engine_error", "message": f"generation failed: {ev.error}",
+                       "param": None, "sequence_number": builder._seq + 1}
+                yield {"event": "error", "data": json.dumps(err)}
+                return
+            events = c.parser.feed(ev.text)
+            if isinstance(ev, FinishEvent):
+                events += c.parser.finish()
+            out = builder.feed(events, plan.parallel)
+            if isinstance(ev, FinishEvent):
+                out += builder.finish(ev.reason, usage_of(ev))
+            for event in out:
+                yield {"event": event["type"], "data": json.dumps(event)}
+        if builder.req.store and choice.finish is not None:
+            st.responses.put(builder.id, conversation + builder.messages())
+    finally:
+        _release(st, [choice])
 
 
 def _deltas(events, parallel: bool):

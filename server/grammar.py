@@ -264,12 +264,14 @@ class GrammarProcessor:
 
 
 def chat_grammar(tools: list[dict] | None, tool_choice, parallel: bool,
-                 response_format: dict | None, thinking: bool, fmt: str) -> str | None:
+                 response_format: dict | None, thinking: bool, fmt: str,
+                 names_under_auto: bool = False) -> str | None:
     """The grammar a chat request asks for, or None when its output is free.
 
     - tool_choice "required" / a named function: only tool calls (of that function).
-    - tool_choice "auto" with a `strict` function: free text, or calls whose strict functions'
-      arguments follow their schema.
+    - tool_choice "auto" with a `strict` function (or any tools, with names_under_auto): free
+      text, or calls that name an offered function; strict functions' arguments follow their
+      schema.
     - response_format json_object / json_schema: the JSON answer (or, with tools under "auto",
       tool calls instead)."""
     forced = tool_choice == "required" or isinstance(tool_choice, dict)
@@ -290,7 +292,7 @@ def chat_grammar(tools: list[dict] | None, tool_choice, parallel: bool,
     offer_tools = bool(tools) and tool_choice != "none"
     strict_tools = offer_tools and any((t.get("function") or t).get("strict") for t in tools)
     if kind == "text":
-        if not strict_tools:
+        if not strict_tools and not (offer_tools and names_under_auto):
             return None
         return answer_grammar(tool_call_grammar(tools, required=False, parallel=parallel, fmt=fmt,
                                                 constrain_all=False), thinking)

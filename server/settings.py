@@ -63,6 +63,8 @@ class GenerationSettings(_Section):
     top_p: float = Field(0.8, gt=0.0, le=1.0)
     enable_thinking: bool = Field(False, description="default for chat_template_kwargs")
     seed: int = 0
+    tool_grammar: bool = Field(True, description="under tool_choice auto, tool calls may only "
+                               "name offered functions (strict ones follow their schema)")
 
 
 class Settings(_Section):
