@@ -26,7 +26,7 @@ from mixbit.models.loading import LoadedModel, load
 from mixbit.models.registry import ResolvedModel, resolve
 
 from . import calibration as calib
-from .evaluate import heldout_loss_by_kind, tool_call_eval
+from .evaluate import agent_soak, heldout_loss_by_kind, tool_call_eval
 from .variants import ensure_variant
 
 
@@ -41,6 +41,8 @@ class VariantResult:
     top1: float
     ppl: dict[str, float] = field(default_factory=dict)
     tools: dict[str, float] = field(default_factory=dict)
+    tools_constrained: dict[str, float] = field(default_factory=dict)
+    soak: dict = field(default_factory=dict)  # rounds before the agent loop broke, free/constrained
     seconds_to_build: float = 0.0
 
 
@@ -132,25 +134,38 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
         p99 = float(sorted_k[int(0.99 * (sorted_k.size - 1))].item())
         losses = heldout_loss_by_kind(lm, docs)
         tools = tool_call_eval(lm, prompts).rates()
+        constrained = tool_call_eval(lm, prompts, constrained=True).rates()
+        soak = {mode: agent_soak(lm, constrained=mode == "constrained").__dict__
+                for mode in ("free", "constrained")}
         results.append(VariantResult(
             name=spec, path=str(path), nbytes=weight_bytes(Path(path)), bits_per_weight=bits_per_weight(lm),
             kld_mean=float(klds.mean().item()), kld_p99=p99, top1=top1,
-            ppl={k: math.exp(v) for k, v in losses.items()}, tools=tools, seconds_to_build=round(built, 1)))
+            ppl={k: math.exp(v) for k, v in losses.items()}, tools=tools, tools_constrained=constrained,
+            soak=soak, seconds_to_build=round(built, 1)))
     return results
 
 
 def table(results: list[VariantResult]) -> str:
     kinds = sorted({k for r in results for k in r.ppl})
     head = ["variant", "MB", "bpw", "KLD mean", "KLD p99", "top-1", *[f"ppl {k}" for k in kinds],
-            "call ok", "right fn", "exact args", "plain ok"]
+            "call ok", "right fn", "exact args", "plain ok", "exact args (grammar)",
+            "agent rounds (free / grammar)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [r.name, f"{r.nbytes / 1e6:.2f}", f"{r.bits_per_weight:.2f}", f"{r.kld_mean:.4f}",
                  f"{r.kld_p99:.4f}", f"{r.top1:.3f}", *[f"{r.ppl.get(k, float('nan')):.3f}" for k in kinds],
                  f"{r.tools['well_formed']:.1%}", f"{r.tools['right_function']:.1%}",
-                 f"{r.tools['exact_args']:.1%}", f"{r.tools['plain_answer']:.1%}"]
+                 f"{r.tools['exact_args']:.1%}", f"{r.tools['plain_answer']:.1%}",
+                 f"{r.tools_constrained.get('exact_args', float('nan')):.1%}",
+                 " / ".join(_rounds(r.soak.get(m)) for m in ("free", "constrained"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _rounds(soak: dict | None) -> str:
+    if not soak:
+        return "-"
+    return f"{soak['rounds']}" + ("" if soak["broke_at"] is None else f" ({soak['reason']})")
 
 
 def pareto(results: list[VariantResult]) -> list[VariantResult]:

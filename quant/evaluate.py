@@ -44,23 +44,53 @@ class ToolEval:
 
 
 def generate_batch(lm: LoadedModel, prompts: list[str], max_tokens: int = 96,
-                   batch_size: int = 16) -> list[str]:
-    from mlx_lm.generate import batch_generate
+                   batch_size: int = 16, processors: list[list] | None = None) -> list[str]:
+    """Greedy completions; `processors` (one list per prompt) e.g. grammar masks."""
+    from mlx_lm.generate import BatchGenerator
 
     tok = lm.tokenizer
     outputs: list[str] = []
     for i in range(0, len(prompts), batch_size):
         chunk = [tok.encode(p, add_special_tokens=False) for p in prompts[i:i + batch_size]]
-        res = batch_generate(lm.model, tok, chunk, max_tokens=max_tokens)
-        outputs += list(res.texts)
+        gen = BatchGenerator(lm.model, stop_tokens=[[t] for t in tok.eos_token_ids])
+        procs = processors[i:i + batch_size] if processors else None
+        uids = gen.insert(chunk, [max_tokens] * len(chunk), logits_processors=procs)
+        tokens: dict[int, list[int]] = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":
+                    tokens[r.uid].append(r.token)
+        gen.close()
+        outputs += [tok.decode(tokens[u]) for u in uids]
     return outputs
 
 
+def tool_grammar_processors(lm: LoadedModel, prompts: list[corpus.ToolPrompt],
+                            enable_thinking: bool = False, engine=None) -> list[list]:
+    """What the server does under tool_choice auto: calls may only name offered functions, in
+    the template's format, arguments following the schema."""
+    from mixbit.models.grammar import GrammarEngine, chat_grammar
+
+    if engine is None:
+        cfg = lm.config.get("text_config", lm.config)
+        engine = GrammarEngine(lm.tokenizer._tokenizer, int(cfg["vocab_size"]),
+                               sorted(lm.tokenizer.eos_token_ids))
+    fmt = "json" if type(parser_for_template(lm.chat_template)).__name__ == "JsonToolParser" else "xml"
+    out = []
+    for p in prompts:
+        strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in p.tools]
+        grammar = chat_grammar(strict, "auto", True, None, enable_thinking, fmt)
+        out.append([engine.processor(engine.compile(grammar))])
+    return out
+
+
 def tool_call_eval(lm: LoadedModel, prompts: list[corpus.ToolPrompt], enable_thinking: bool = False,
-                   max_tokens: int = 96) -> ToolEval:
+                   max_tokens: int = 96, constrained: bool = False) -> ToolEval:
     parser = parser_for_template(lm.chat_template)
     texts = [render_chat(lm.tokenizer, p.messages, p.tools, enable_thinking) for p in prompts]
-    outs = generate_batch(lm, texts, max_tokens=max_tokens + (64 if enable_thinking else 0))
+    procs = tool_grammar_processors(lm, prompts, enable_thinking) if constrained else None
+    outs = generate_batch(lm, texts, max_tokens=max_tokens + (64 if enable_thinking else 0),
+                          processors=procs)
     ev = ToolEval()
     for p, prompt, out in zip(prompts, texts, outs):
         parsed = parse_output(out, parser, p.tools, prompt_opens_think(prompt))
@@ -120,3 +150,69 @@ def heldout_loss_by_kind(lm: LoadedModel, docs: list[dict], batch_size: int = 8)
             total[kind] += s
             count[kind] += c
     return {k: total[k] / count[k] for k in sorted(total) if count[k]}
+
+
+@dataclass
+class SoakResult:
+    rounds: int  # rounds completed with a tool call and a clean answer
+    broke_at: int | None  # first round that leaked markup or stopped calling tools, else None
+    reason: str = ""
+    right_calls: int = 0  # rounds whose call had the right function and exact arguments
+    tokens: int = 0  # conversation length at the end
+
+
+def agent_soak(lm: LoadedModel, max_rounds: int = 30, seed: int = 77, constrained: bool = False,
+               n_tools: int = 4, context: int | None = None) -> SoakResult:
+    """A multi-turn agent loop with `n_tools` tools: request -> tool call -> tool result ->
+    answer -> next request, until the context is full or `max_rounds`. Reports the first round
+    where the model leaks tool-call markup into content or stops calling tools (what breaks
+    uniformly quantized Qwen3.5 after a few rounds), and how many calls were exactly right."""
+    import json
+    import random
+
+    from mixbit.models import catalogue
+
+    rng = random.Random(seed)
+    parser = parser_for_template(lm.chat_template)
+    cfg = lm.config.get("text_config", lm.config)
+    context = context or int(cfg.get("max_position_embeddings", 4096))
+    functions = rng.sample(catalogue.FUNCTIONS, n_tools)
+    tools = [f.schema() for f in functions]
+    messages: list[dict] = []
+    right = used = 0
+    for round_no in range(1, max_rounds + 1):
+        fn = rng.choice(functions)
+        args = corpus.sample_args(fn, rng, "heldout")
+        messages.append({"role": "user", "content": corpus.request_text(fn, args, rng, "heldout")})
+        prompt = render_chat(lm.tokenizer, messages, tools)
+        used = len(lm.tokenizer.encode(prompt, add_special_tokens=False))
+        if used + 200 > context:
+            return SoakResult(round_no - 1, None, "context full", right, used)
+        probe = corpus.ToolPrompt(messages=list(messages), tools=tools, expected=None, value_kind="pool")
+        procs = tool_grammar_processors(lm, [probe]) if constrained else None
+        out = generate_batch(lm, [prompt], max_tokens=96, processors=procs)[0]
+        parsed = parse_output(out, parser, tools, prompt_opens_think(prompt))
+        if "<tool_call>" in parsed.content or "<function=" in parsed.content:
+            return SoakResult(round_no - 1, round_no, "markup in content", right, used)
+        if not parsed.tool_calls:
+            return SoakResult(round_no - 1, round_no, "no tool call", right, used)
+        call = parsed.tool_calls[0]
+        right += call.name == fn.name and args_match(call.arguments, corpus.typed(fn, args))
+        called = next((f for f in functions if f.name == call.name), fn)
+        try:
+            result = corpus.tool_result(called, {p.name: str(call.arguments.get(p.name, ""))
+                                                 for p in called.params}, rng)
+        except (KeyError, ValueError, ZeroDivisionError):
+            result = {"error": "bad arguments"}
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}]})
+        messages.append({"role": "tool", "content": json.dumps(result)})
+        answer_prompt = render_chat(lm.tokenizer, messages, tools)
+        probe = corpus.ToolPrompt(messages=list(messages), tools=tools, expected=None, value_kind="pool")
+        procs = tool_grammar_processors(lm, [probe]) if constrained else None
+        answer = generate_batch(lm, [answer_prompt], max_tokens=64, processors=procs)[0]
+        parsed = parse_output(answer, parser, tools, prompt_opens_think(answer_prompt))
+        if "<tool_call>" in parsed.content or "<function=" in parsed.content or parsed.tool_calls:
+            return SoakResult(round_no - 1, round_no, "tool call instead of an answer", right, used)
+        messages.append({"role": "assistant", "content": parsed.content})
+    return SoakResult(max_rounds, None, "", right, used)

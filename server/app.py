@@ -18,6 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from mixbit.models.grammar import CompiledGrammar, GrammarEngine, GrammarError, chat_grammar
 from mixbit.models.loading import LoadedModel, load, prompt_opens_think, render_chat
 from mixbit.models.registry import ModelSourceError, resolve
 from mixbit.models.toolcall import StreamingOutputParser, parser_for_template
@@ -26,13 +27,12 @@ from mixbit.quant.variants import ensure_variant
 from . import errors
 from .engine import Engine, FinishEvent, TokenEvent, async_emitter
 from .errors import APIError
-from .responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, usage_of
-from .grammar import CompiledGrammar, GrammarEngine, GrammarError, chat_grammar
 from .protocol import (UNSUPPORTED, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChoiceLogprobs, Completion,
                        CompletionChoice, CompletionLogprobs, CompletionRequest, FunctionCallOut, ModelCard,
                        ModelList, PromptTokensDetails, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
                        Usage, new_id)
+from .responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, usage_of
 from .sampling import SamplingParams
 from .settings import Settings
 

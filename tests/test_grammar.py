@@ -11,7 +11,7 @@ from mlx_lm.generate import stream_generate
 
 from mixbit.models.loading import render_chat
 from mixbit.models.toolcall import XmlToolParser, parse_output
-from mixbit.server.grammar import (GrammarEngine, GrammarError, chat_grammar, json_grammar,
+from mixbit.models.grammar import (GrammarEngine, GrammarError, chat_grammar, json_grammar,
                                    strictify, tool_call_grammar)
 from mixbit.server.sampling import SamplingParams, make_sampler
 

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mixbit.server.grammar import (GrammarEngine, _apply_mask, chat_grammar,  # noqa: E402
+from mixbit.models.grammar import (GrammarEngine, _apply_mask, chat_grammar,  # noqa: E402
                                    json_grammar)
 
 TOOLS = [
