@@ -7,7 +7,7 @@ import time
 from mixbit.models import corpus
 from mixbit.models.loading import LoadedModel
 
-from .evaluate import heldout_loss_by_kind, tool_call_eval
+from .evaluate import agent_soak, heldout_loss_by_kind, tool_call_eval
 
 
 def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs: int = 300,
@@ -19,6 +19,8 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
     seen = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool, phrasing="train"))
     novel = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool, phrasing="novel")
                            + corpus.heldout_plain_prompts(n_plain, phrasing="novel"))
+    constrained = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool), constrained=True)
+    soak = {mode: agent_soak(lm, constrained=mode == "grammar").__dict__ for mode in ("free", "grammar")}
     result = {
         "model": lm.resolved.source,
         "heldout_loss": losses,
@@ -27,6 +29,9 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
                                                    if k != "plain_answer"}},
         "seen_phrasings_new_values": {"n": seen.n_tool, **{k: v for k, v in seen.rates().items()
                                                           if k != "plain_answer"}},
+        "tool_calls_with_grammar": {"n": constrained.n_tool, **{
+            k: v for k, v in constrained.rates().items() if k != "plain_answer"}},
+        "agent_soak": soak,
         "novel_sentences": {"n_tool_prompts": novel.n_tool, "n_plain_prompts": novel.n_plain,
                             **novel.rates()},
         "examples_of_failures": pool.failures[:8],
@@ -52,6 +57,13 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
               f"{novel.n_plain} plain prompts): well-formed {novel.rates()['well_formed']:.1%}, "
               f"right function {novel.rates()['right_function']:.1%}, exact arguments "
               f"{novel.rates()['exact_args']:.1%}, plain answer {novel.rates()['plain_answer']:.1%}",
+              f"same held-out prompts decoded with the server's tool grammar: well-formed "
+              f"{constrained.rates()['well_formed']:.1%}, right function "
+              f"{constrained.rates()['right_function']:.1%}, exact arguments "
+              f"{constrained.rates()['exact_args']:.1%}",
+              "agent soak (4 tools, request -> call -> result -> answer, up to 30 rounds): " + ", ".join(
+                  f"{m}: {s['rounds']} rounds" + (f" (broke: {s['reason']})" if s["broke_at"] else "")
+                  + f", {s['right_calls']} exactly right calls" for m, s in soak.items()),
               f"made-up values never seen ({made_up.n_tool} prompts): well-formed "
               f"{made_up.rates()['well_formed']:.1%}, right function "
               f"{made_up.rates()['right_function']:.1%}, exact arguments {made_up.rates()['exact_args']:.1%}"]
