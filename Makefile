@@ -10,7 +10,7 @@ STAMP := $(VENV)/.mixbit-installed
 OPENBLAS = $(firstword $(wildcard /usr/lib/*/openblas-pthread/libopenblas.so.0))
 RUN = $(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) ,)
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test test-tools bench clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,15 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(RUN)$(VENV)/bin/mixbit serve
 
-test: setup
+# The metrics end-to-end test scrapes the server with a real Prometheus (Debian's package).
+test-tools:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1)); } \
+		|| echo "note: no prometheus binary; tests/test_metrics.py needs one (apt-get install prometheus)"
+
+test: setup test-tools
 	$(RUN)$(PY) -m pytest -q
 
 clean:

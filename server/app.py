@@ -27,16 +27,30 @@ from mixbit.quant.variants import ensure_variant
 from . import errors
 from .engine import Engine, FinishEvent, TokenEvent, async_emitter
 from .errors import APIError
+from .fidelity import FidelityWorker, Job, LocalReference, RemoteReference, score_top
+from .metrics import Metrics
 from .protocol import (UNSUPPORTED, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                        ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChoiceLogprobs, Completion,
                        CompletionChoice, CompletionLogprobs, CompletionRequest, FunctionCallOut, ModelCard,
-                       ModelList, PromptTokensDetails, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
+                       ModelList, PromptTokensDetails, ScoreRequest, TokenLogprob, ToolCallDelta, ToolCallOut, TopLogprob,
                        Usage, new_id)
 from .responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, usage_of
 from .sampling import SamplingParams
 from .settings import Settings
 
 log = logging.getLogger("mixbit.server")
+_THREAD = threading.local()
+
+
+def _mlx_call(fn, *args):
+    """Runs MLX work from a worker thread on that thread's own stream."""
+    import mlx.core as mx
+
+    stream = getattr(_THREAD, "stream", None)
+    if stream is None:
+        stream = _THREAD.stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        return fn(*args)
 
 
 @dataclass
@@ -49,6 +63,8 @@ class ServerState:
     engine: Engine | None = None
     grammar: GrammarEngine | None = None
     responses: ResponseStore = field(default_factory=ResponseStore)
+    metrics: Metrics | None = None
+    fidelity: FidelityWorker | None = None
     served_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     provenance: dict = field(default_factory=dict)
@@ -91,10 +107,14 @@ def start_loading(state: ServerState) -> threading.Thread:
                                 "path": str(variant.path)}
             engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                             cache_entries=s.server.prefix_cache_entries,
-                            cache_bytes=s.server.prefix_cache_bytes, model_key=state.served_id)
+                            cache_bytes=s.server.prefix_cache_bytes, model_key=state.served_id,
+                            on_token_gap=state.metrics.itl.observe if state.metrics else None)
             state.grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
                                           sorted(lm.tokenizer.eos_token_ids))
             engine.start()
+            if state.metrics is not None:
+                state.metrics.set_variant(state.provenance)
+            state.fidelity = _fidelity_worker(state, resolved, variant, lm)
             state.lm, state.engine = lm, engine
             state.status, state.detail = "ready", ""
             log.info("ready: serving %s as %r", resolved.path, state.served_id)
@@ -108,6 +128,57 @@ def start_loading(state: ServerState) -> threading.Thread:
     t = threading.Thread(target=work, name="mixbit-loader", daemon=True)
     t.start()
     return t
+
+
+def _weights_bytes(folder) -> int:
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorker | None:
+    """The spot-check worker for what is served, or None when checks are off."""
+    f = state.settings.fidelity
+    if not f.enabled or state.metrics is None:
+        return None
+    ref = f.reference.strip()
+    disabled = None
+    if ref.startswith(("http://", "https://")):
+        reference = RemoteReference(ref, f.reference_api_key, f.top_k)
+    else:
+        if ref == "auto":
+            if resolved.quantized:
+                source, folder = None, None
+                disabled = ("the served checkpoint is already quantized and its unquantized source "
+                            "is unknown; set fidelity.reference")
+            else:
+                source, folder = resolved, resolved.path
+        else:
+            source = resolve(ref, allow_download=False)
+            folder = source.path
+        same = folder is not None and str(folder) == str(variant.path)
+        if same:  # serving bf16: the reference is the served model itself
+            reference = LocalReference(lambda: lm.model, "the served model (unquantized)")
+        else:
+            dtype = state.settings.generation.compute_dtype
+            reference = LocalReference(lambda: load(source, dtype).model,
+                                       f"{getattr(source, 'source', ref)} (unquantized, in process)")
+            need = 2 * _weights_bytes(folder) if folder else 0  # bf16 files, float32 on CPU
+            if f.reference_max_bytes and need > f.reference_max_bytes:
+                disabled = (f"the reference needs about {need} bytes, over "
+                            f"fidelity.reference_max_bytes ({f.reference_max_bytes}); point "
+                            "fidelity.reference at a bf16 instance instead")
+    name = state.provenance.get("recipe", "served")
+    worker = FidelityWorker(lm.model, reference, state.metrics, str(name),
+                            sample_rate=f.sample_rate, max_per_minute=f.max_per_minute,
+                            queue_size=f.queue_size, max_tokens=f.max_tokens, keep=f.keep)
+    worker.disabled = disabled
+    if disabled:
+        log.warning("fidelity spot checks disabled: %s", disabled)
+    worker.start()
+    log.info("fidelity spot checks: %.0f%% of requests (at most %d a minute) against %s",
+             100 * f.sample_rate, f.max_per_minute, reference.describe)
+    return worker
 
 
 class BodyLimit:
@@ -148,6 +219,7 @@ class _TooLarge(Exception):
 
 def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
     state = ServerState(settings=settings)
+    state.metrics = Metrics(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -160,6 +232,8 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
             await asyncio.sleep(0.05)
         if state.engine is not None:
             state.engine.close()
+        if state.fidelity is not None:
+            state.fidelity.close()
 
     app = FastAPI(title="mixbit", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible server for mixed-bit quantized Qwen3.5")
@@ -169,6 +243,14 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins,
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(BodyLimit, limit=settings.server.max_body_bytes)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", None) or "unmatched"
+        state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
     keys = [k.encode() for k in settings.server.api_keys]
 
     async def auth(request: Request) -> None:
@@ -245,6 +327,38 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         return await _run(st, request, plan, req.n, req.stream,
                           req.stream_options.include_usage if req.stream_options else False)
 
+    metrics_deps = [Depends(auth)] if settings.server.metrics_auth else []
+
+    @app.get("/metrics", dependencies=metrics_deps)
+    async def metrics():
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/fidelity", dependencies=[Depends(auth)])
+    async def fidelity(limit: int = 50):
+        st = ready_state()
+        if st.fidelity is None:
+            return {"enabled": False, "checks": []}
+        return {"enabled": True, **st.fidelity.view(max(1, min(limit, 1000)))}
+
+    @app.post("/v1/score", dependencies=[Depends(auth)])
+    async def score(body: ScoreRequest):
+        """Teacher-forced top-k log-probabilities (what a remote fidelity reference answers)."""
+        st = ready_state()
+        check_model(body.model) if body.model else None
+        vocab = len(st.lm.tokenizer._tokenizer)
+        if not 1 <= body.start < len(body.tokens) or any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab}) and 1 <= start < len(tokens)",
+                           param="tokens", code="invalid_value")
+        if len(body.tokens) > st.context_length:
+            raise APIError(400, f"at most {st.context_length} tokens", param="tokens",
+                           code="context_length_exceeded")
+        top = await asyncio.to_thread(_mlx_call, score_top, st.lm.model, body.tokens, body.start,
+                                      body.top_k)
+        return {"object": "score", "model": st.served_id, "start": body.start, "top_logprobs": top}
+
     @app.post("/v1/responses", dependencies=[Depends(auth)])
     async def responses(req: ResponsesRequest, request: Request):
         st = ready_state()
@@ -265,6 +379,7 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
             raise APIError(400, f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}",
                            code="invalid_value") from None
         plan = _chat_plan(st, chat)
+        plan.endpoint = "/v1/responses"
         (choice,) = _start(st, plan, 1)
         builder = ResponseBuilder(req, st.served_id)
         # what a continuation sees: the messages without this request's instructions
@@ -276,9 +391,10 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
             await _collect(request, st, [choice])
         finally:
             _release(st, [choice])
-        events = choice.parser.feed(choice.text) + choice.parser.finish()
+        events = choice.feed(choice.text, final=True)
         builder.feed(events, plan.parallel)
         builder.finish(choice.finish.reason if choice.finish else "stop", usage_of(choice.finish))
+        _account(st, plan, [choice], builder.id)
         if req.store:
             st.responses.put(builder.id, conversation + builder.messages())
         return builder.response("incomplete" if choice.finish and choice.finish.reason == "length"
@@ -346,6 +462,8 @@ class Plan:
     parallel: bool = True  # parallel_tool_calls: false returns the first call only
     grammar: CompiledGrammar | None = None
     forced_tools: bool = False  # tool_choice required / named
+    json_schema: dict | None = None  # response_format's schema (json_object: {"type": "object"})
+    endpoint: str = ""
 
 
 def _sampling(st: ServerState, req, max_tokens: int | None, prompt_len: int,
@@ -437,16 +555,31 @@ def _chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
         grammar = chat_grammar(render_tools, choice, parallel, req.response_format, opened_think,
                                "json" if parser.__class__.__name__ == "JsonToolParser" else "xml",
                                names_under_auto=st.settings.generation.tool_grammar)
-        compiled = st.grammar.compile(grammar) if grammar else None
+        compiled = None
+        if grammar:
+            misses = st.grammar.misses
+            compiled = st.grammar.compile(grammar)
+            if st.metrics is not None:
+                fresh = st.grammar.misses > misses
+                st.metrics.grammar_requests.labels("miss" if fresh else "hit").inc()
+                if fresh:
+                    st.metrics.grammar_compile.observe(compiled.compile_ms / 1000)
     except GrammarError as exc:
         param = exc.param or ("response_format" if req.response_format else "tools")
         raise APIError(400, f"cannot enforce this {param}: {exc}", param=param,
                        code="unsupported_schema" if "cannot" in str(exc) or "Unknown" in str(exc)
                        else "invalid_value") from None
+    rf = req.response_format or {}
+    schema = None
+    if rf.get("type") == "json_object":
+        schema = {"type": "object"}
+    elif rf.get("type") == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema") or {"type": "object"}
     return Plan(kind="chat", prompt_ids=ids, params=params, prompt_text=text, tools=render_tools,
                 parse_tools=render_tools is not None, opened_think=opened_think,
                 parallel=parallel, grammar=compiled,
-                forced_tools=choice == "required" or isinstance(choice, dict))
+                forced_tools=choice == "required" or isinstance(choice, dict), json_schema=schema,
+                endpoint="/v1/chat/completions")
 
 
 def _completion_plans(st: ServerState, req: CompletionRequest) -> list[Plan]:
@@ -475,7 +608,7 @@ def _completion_plans(st: ServerState, req: CompletionRequest) -> list[Plan]:
         params = _sampling(st, req, req.max_tokens if req.max_tokens is not None else 16, len(ids), top)
         params.logprobs = req.logprobs is not None and req.logprobs is not False
         plans.append(Plan(kind="completion", prompt_ids=ids, params=params, prompt_text=text,
-                          echo=text if req.echo else ""))
+                          echo=text if req.echo else "", endpoint="/v1/completions"))
     return plans
 
 
@@ -526,6 +659,20 @@ class _Choice:
     finish: FinishEvent | None = None
     logprobs: list = field(default_factory=list)
     parser: StreamingOutputParser | None = None
+    started: float = field(default_factory=time.monotonic)
+    first_at: float | None = None
+    content: str = ""  # parsed content so far (what metrics check for leaked markup)
+    parse_errors: int = 0
+
+    def feed(self, text: str, final: bool = False) -> list:
+        """Parser events for new text (and the end); keeps what the accounting needs."""
+        events = self.parser.feed(text) + (self.parser.finish() if final else [])
+        for e in events:
+            if e.kind == "content":
+                self.content += e.text
+            elif e.kind == "error":
+                self.parse_errors += 1
+        return events
 
 
 def _finish_reason(choice: _Choice, calls: int) -> str:
@@ -568,8 +715,72 @@ async def _run(st: ServerState, request: Request, plan: Plan, n: int, stream: bo
         await _collect(request, st, choices)
     finally:
         _release(st, choices)
-    return _chat_response(st, plan, choices, rid) if plan.kind == "chat" else \
+    out = _chat_response(st, plan, choices, rid) if plan.kind == "chat" else \
         _completion_response(st, plan, choices, rid)
+    _account(st, plan, choices, rid)
+    return out
+
+
+def _valid(value, schema: dict) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(value, schema)
+        return True
+    except jsonschema.ValidationError:
+        return False
+    except jsonschema.SchemaError:
+        return True  # not ours to judge; the grammar compiled it
+
+
+def _account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> None:
+    """Metrics of finished choices, and their offer to the fidelity worker."""
+    m = st.metrics
+    if m is None:
+        return
+    now = time.monotonic()
+    for c in choices:
+        f = c.finish
+        if f is None:
+            continue
+        m.e2e.labels(plan.endpoint).observe(now - c.started)
+        if c.first_at is not None:
+            m.ttft.labels(plan.endpoint).observe(c.first_at - c.started)
+        m.prompt_tokens.inc(max(f.prompt_tokens - f.cached_tokens, 0))
+        m.cached_tokens.inc(f.cached_tokens)
+        m.generation_tokens.inc(f.completion_tokens)
+        kind = "completion"
+        if plan.kind == "chat":
+            kind = "chat"
+            calls = c.parser.calls if c.parser else []
+            if plan.tools:
+                if calls:
+                    kind = "tool_call"
+                    m.tool_calls.labels("parsed").inc(len(calls))
+                if c.parse_errors:
+                    m.tool_calls.labels("parse_failed").inc(c.parse_errors)
+                if "<tool_call>" in c.content or "<function=" in c.content:
+                    m.tool_calls.labels("markup_in_content").inc()
+                if plan.forced_tools and not calls and f.reason == "stop":
+                    m.tool_calls.labels("forced_without_call").inc()
+                if plan.grammar is not None:
+                    for call in calls:
+                        fn = next((t["function"] for t in plan.tools
+                                   if t["function"]["name"] == call.name), {})
+                        if (plan.forced_tools or fn.get("strict")) and fn.get("parameters") and \
+                                not _valid(call.arguments, fn["parameters"]):
+                            m.constrained_invalid.labels("tool_arguments").inc()
+            if plan.json_schema is not None and not calls:
+                kind = "json"
+                if f.reason == "stop":
+                    try:
+                        ok = _valid(json.loads(c.content), plan.json_schema)
+                    except ValueError:
+                        ok = False
+                    if not ok:
+                        m.constrained_invalid.labels("json").inc()
+        if st.fidelity is not None and f.reason in ("stop", "length"):
+            st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid))
 
 
 def _release(st: ServerState, choices: list[_Choice]) -> None:
@@ -613,6 +824,8 @@ async def _collect(request: Request, st: ServerState, choices: list[_Choice]) ->
             if ev is None:
                 return
             if isinstance(ev, TokenEvent):
+                if c.first_at is None:
+                    c.first_at = time.monotonic()
                 c.text += ev.text
                 if ev.logprob is not None:
                     c.logprobs.append(ev)
@@ -644,7 +857,7 @@ def _chat_response(st: ServerState, plan: Plan, choices: list[_Choice], rid: str
     out = []
     tok = st.lm.tokenizer
     for c in choices:
-        events = c.parser.feed(c.text) + c.parser.finish()
+        events = c.feed(c.text, final=True)
         reasoning = "".join(e.text for e in events if e.kind == "reasoning").strip() or None
         content = "".join(e.text for e in events if e.kind == "content")
         calls = _tool_calls_out(c.parser.calls, plan.parallel)
@@ -693,6 +906,8 @@ async def _merged_events(request: Request, choices: list[_Choice]):
                 if isinstance(ev, FinishEvent):
                     c.finish = ev  # before the consumer sees it: it reports c.finish's reason
                 else:
+                    if c.first_at is None:
+                        c.first_at = time.monotonic()
                     pending[asyncio.ensure_future(c.queue.get())] = c
                 yield c, ev
     finally:
@@ -714,9 +929,7 @@ async def _stream_chat(st, request, plan, choices, rid, include_usage):
             if isinstance(ev, FinishEvent) and ev.reason == "error":
                 yield errors.error_event(APIError(500, f"generation failed: {ev.error}", code="engine_error"))
                 continue
-            events = c.parser.feed(ev.text)
-            if isinstance(ev, FinishEvent):
-                events += c.parser.finish()
+            events = c.feed(ev.text, final=isinstance(ev, FinishEvent))
             lp = ChoiceLogprobs(content=[_chat_logprob(tok, ev)]) \
                 if isinstance(ev, TokenEvent) and ev.logprob is not None else None
             for d in _deltas(events, plan.parallel):
@@ -732,6 +945,7 @@ async def _stream_chat(st, request, plan, choices, rid, include_usage):
         yield "[DONE]"
     finally:
         _release(st, choices)
+        _account(st, plan, choices, rid)
 
 
 async def _stream_response(st, request, plan, choice, builder, conversation):
@@ -744,9 +958,7 @@ async def _stream_response(st, request, plan, choice, builder, conversation):
                        "param": None, "sequence_number": builder._seq + 1}
                 yield {"event": "error", "data": json.dumps(err)}
                 return
-            events = c.parser.feed(ev.text)
-            if isinstance(ev, FinishEvent):
-                events += c.parser.finish()
+            events = c.feed(ev.text, final=isinstance(ev, FinishEvent))
             out = builder.feed(events, plan.parallel)
             if isinstance(ev, FinishEvent):
                 out += builder.finish(ev.reason, usage_of(ev))
@@ -756,6 +968,7 @@ async def _stream_response(st, request, plan, choice, builder, conversation):
             st.responses.put(builder.id, conversation + builder.messages())
     finally:
         _release(st, [choice])
+        _account(st, plan, [choice], builder.id)
 
 
 def _deltas(events, parallel: bool):
@@ -792,3 +1005,4 @@ async def _stream_completion(st, request, plan, choices, rid, include_usage):
         yield "[DONE]"
     finally:
         _release(st, choices)
+        _account(st, plan, choices, rid)

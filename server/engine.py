@@ -42,6 +42,7 @@ class FinishEvent:
     cached_tokens: int
     text: str = ""  # any text still held back, released at the end
     error: str | None = None
+    tokens: list[int] = field(default_factory=list)  # every generated id (end-of-turn included)
 
 
 @dataclass
@@ -105,12 +106,16 @@ class _Sequence:
     stops: StopMatcher | None = None
     deadline: float | None = None
     cancelled: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    last_at: float | None = None
 
 
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_step: int = 512,
-                 cache_entries: int = 64, cache_bytes: int = 1 << 30, model_key: str = "model"):
+                 cache_entries: int = 64, cache_bytes: int = 1 << 30, model_key: str = "model",
+                 on_token_gap: Callable[[float], None] | None = None):
         self.model = model
+        self.on_token_gap = on_token_gap  # inter-token latency observer (metrics)
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.prefill_step = prefill_step
@@ -237,6 +242,10 @@ class Engine:
             if seq is None:
                 continue
             seq.generated += 1
+            seq.tokens.append(r.token)
+            if seq.last_at is not None and self.on_token_gap is not None:
+                self.on_token_gap(now - seq.last_at)
+            seq.last_at = now
             self.stats.generation_tokens_total += 1
             if r.finish_reason == "stop":  # an EOS token: not part of the text
                 seq.detok.finalize()
@@ -282,7 +291,7 @@ class Engine:
         self.stats.running = len(self._active)
         seq.emit(FinishEvent(reason=reason, prompt_tokens=len(seq.prompt),
                              completion_tokens=seq.generated, cached_tokens=seq.cached,
-                             text=tail, error=error))
+                             text=tail, error=error, tokens=list(seq.tokens)))
 
 
 def async_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[Any], None]:

@@ -158,6 +158,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
+class ScoreRequest(BaseModel):
+    """mixbit's POST /v1/score: teacher-forced top-k log-probabilities at positions start.."""
+    model: str | None = None
+    tokens: list[int] = Field(min_length=2)
+    start: int = Field(ge=1)
+    top_k: int = Field(64, ge=1, le=1024)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False

@@ -53,6 +53,7 @@ class ServerSettings(_Section):
     request_timeout_s: float = Field(600.0, gt=0)
     shutdown_grace_s: float = Field(10.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_auth: bool = Field(False, description="require the API key on /metrics too")
 
 
 class GenerationSettings(_Section):
@@ -67,16 +68,32 @@ class GenerationSettings(_Section):
                                "name offered functions (strict ones follow their schema)")
 
 
+class FidelitySettings(_Section):
+    enabled: bool = True
+    sample_rate: float = Field(0.1, ge=0.0, le=1.0, description="share of finished requests checked")
+    max_per_minute: int = Field(60, ge=0)
+    queue_size: int = Field(16, ge=1, description="checks waiting; beyond it they are dropped")
+    reference: str = Field("auto", description="auto (the unquantized source, loaded lazily), a "
+                           "model source, or the URL of a mixbit instance serving bf16")
+    reference_api_key: str = ""
+    reference_max_bytes: int = Field(0, ge=0, description="memory budget of an in-process "
+                                     "reference; 0: no limit")
+    top_k: int = Field(64, ge=1, le=1024, description="log-probs per position from a remote reference")
+    max_tokens: int = Field(256, ge=1, description="generated tokens scored per check")
+    keep: int = Field(200, ge=1, description="recent checks shown by /v1/fidelity")
+
+
 class Settings(_Section):
     model: ModelSettings = Field(default_factory=ModelSettings)
     quant: QuantSettings = Field(default_factory=QuantSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    fidelity: FidelitySettings = Field(default_factory=FidelitySettings)
 
 
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSettings, "quant": QuantSettings, "server": ServerSettings,
-    "generation": GenerationSettings,
+    "generation": GenerationSettings, "fidelity": FidelitySettings,
 }
 ENV_PREFIX = "MIXBIT_"
 
