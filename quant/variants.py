@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import logging
 import shutil
 import time
@@ -60,10 +61,13 @@ def weights_digest(folder: Path, cache_root: Path) -> str:
         h.update(f.name.encode())
         h.update(artifact.sha256_file(f).encode())
     memo[stamp] = h.hexdigest()
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = memo_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(memo))
-    tmp.replace(memo_path)
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    except OSError:  # a read-only cache (replicas mounting what a Job quantized): just compute
+        pass
     return memo[stamp]
 
 
