@@ -37,8 +37,10 @@ class LoadedModel:
         return getattr(self.tokenizer, "chat_template", None)
 
 
-def load(resolved: ResolvedModel, dtype: str = "auto", path=None) -> LoadedModel:
-    """Loads `resolved` (or `path`, a variant of it such as a quantized copy) with mlx-lm."""
+def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None) -> LoadedModel:
+    """Loads `resolved` (or `path`, a variant of it such as a quantized copy) with mlx-lm.
+    With a distributed `group` of size > 1, mlx-lm's tensor-parallel sharding splits the
+    model across the group's ranks (each holds its slice)."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
 
@@ -47,7 +49,12 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None) -> LoadedModel
 
     gated_delta_chunked.install()  # chunk-parallel GatedDeltaNet prefill where no Metal kernel runs
     folder = path or resolved.path
-    model, tokenizer = mlx_load(str(folder))
+    if group is not None and group.size() > 1:
+        from mlx_lm.utils import sharded_load
+
+        model, tokenizer = sharded_load(str(folder), tensor_group=group)
+    else:
+        model, tokenizer = mlx_load(str(folder))
     target = compute_dtype(dtype)
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed

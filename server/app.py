@@ -65,6 +65,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)
     metrics: Metrics | None = None
     fidelity: FidelityWorker | None = None
+    group: Any = None  # mx.distributed group when serving one model over several ranks
     served_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     provenance: dict = field(default_factory=dict)
@@ -81,6 +82,49 @@ def served_name(settings: Settings, resolved) -> str:
     return settings.model.served_name or resolved.name
 
 
+def ensure_shared_variant(s: Settings, resolved, progress, group=None):
+    """ensure_variant; in a distributed group rank 0 quantizes first and the others then find
+    the verified entry (same host) or build the identical one (their own host)."""
+    def ensure():
+        return ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress,
+                              target_bpw=s.quant.target_bpw if s.quant.recipe == "mixbit-auto" else None,
+                              calibration=s.quant.calibration or None)
+
+    if group is None or group.size() == 1:
+        return ensure()
+    import mlx.core as mx
+
+    def barrier():
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+
+    if group.rank() == 0:
+        variant = ensure()
+        barrier()
+        return variant
+    barrier()
+    return ensure()
+
+
+def follow(settings: Settings, group) -> int:
+    """A rank > 0 of `mixbit serve --distributed`: loads its shard and mirrors rank 0's engine."""
+    s = settings
+    resolved = resolve(s.model.source, s.model.revision, s.model.hub_cache_dir or None,
+                       s.model.allow_download)
+    variant = ensure_shared_variant(s, resolved, log.info, group)
+    lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=group)
+    text_cfg = lm.config.get("text_config", lm.config)
+    grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
+                            sorted(lm.tokenizer.eos_token_ids))
+    engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
+                    cache_entries=s.server.prefix_cache_entries,
+                    cache_bytes=s.server.prefix_cache_bytes, model_key=served_name(s, resolved),
+                    group=group, grammar_engine=grammar)
+    log.info("rank %d of %d: following rank 0", group.rank(), group.size())
+    engine.run_follower()
+    log.info("rank %d: rank 0 stopped; exiting", group.rank())
+    return 0
+
+
 def start_loading(state: ServerState) -> threading.Thread:
     """Resolves and loads the model off the event loop; /ready reports progress meanwhile."""
     def work():
@@ -95,22 +139,22 @@ def start_loading(state: ServerState) -> threading.Thread:
                 state.detail = msg
                 log.info(msg)
 
-            variant = ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress,
-                                     target_bpw=s.quant.target_bpw if s.quant.recipe == "mixbit-auto" else None,
-                                     calibration=s.quant.calibration or None)
+            variant = ensure_shared_variant(s, resolved, progress, state.group)
             state.status, state.detail = "loading", f"loading {variant.path}"
-            lm = load(resolved, s.generation.compute_dtype, path=variant.path)
+            lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group)
             text_cfg = lm.config.get("text_config", lm.config)
             state.context_length = int(text_cfg.get("max_position_embeddings", 4096))
             state.served_id = served_name(s, resolved)
             state.provenance = {**variant.manifest, "model_type": resolved.model_type,
                                 "path": str(variant.path)}
+            grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
+                                    sorted(lm.tokenizer.eos_token_ids))
             engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                             cache_entries=s.server.prefix_cache_entries,
                             cache_bytes=s.server.prefix_cache_bytes, model_key=state.served_id,
-                            on_token_gap=state.metrics.itl.observe if state.metrics else None)
-            state.grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
-                                          sorted(lm.tokenizer.eos_token_ids))
+                            on_token_gap=state.metrics.itl.observe if state.metrics else None,
+                            group=state.group, grammar_engine=grammar)
+            state.grammar = grammar
             engine.start()
             if state.metrics is not None:
                 state.metrics.set_variant(state.provenance)
@@ -140,6 +184,12 @@ def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorke
     """The spot-check worker for what is served, or None when checks are off."""
     f = state.settings.fidelity
     if not f.enabled or state.metrics is None:
+        return None
+    if state.group is not None and state.group.size() > 1:
+        # a check runs the served model outside the lockstep engine; with tensor-parallel
+        # shards that would need the other ranks too
+        log.warning("fidelity spot checks are off in distributed serving: the served model is "
+                    "sharded across ranks; run checks on a single-process replica")
         return None
     ref = f.reference.strip()
     disabled = None
@@ -217,8 +267,8 @@ class _TooLarge(Exception):
     pass
 
 
-def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
-    state = ServerState(settings=settings)
+def create_app(settings: Settings, *, load_model: bool = True, group=None) -> FastAPI:
+    state = ServerState(settings=settings, group=group)
     state.metrics = Metrics(state)
 
     @asynccontextmanager
@@ -348,6 +398,9 @@ def create_app(settings: Settings, *, load_model: bool = True) -> FastAPI:
         """Teacher-forced top-k log-probabilities (what a remote fidelity reference answers)."""
         st = ready_state()
         check_model(body.model) if body.model else None
+        if st.group is not None and st.group.size() > 1:
+            raise APIError(400, "scoring is not available on a distributed (sharded) server",
+                           code="unsupported_in_distributed")
         vocab = len(st.lm.tokenizer._tokenizer)
         if not 1 <= body.start < len(body.tokens) or any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be ids in [0, {vocab}) and 1 <= start < len(tokens)",
@@ -695,9 +748,8 @@ def _start(st: ServerState, plan: Plan, n: int, index_base: int = 0) -> list[_Ch
         if plan.kind == "chat":
             c.parser = StreamingOutputParser(parser_for_template(template), plan.tools,
                                              plan.opened_think, parse_tools=plan.parse_tools)
-        extra = [st.grammar.processor(plan.grammar)] if plan.grammar is not None else None
         c.seq = st.engine.submit(plan.prompt_ids, plan.params, async_emitter(loop, c.queue),
-                                 extra_processors=extra, draw_index=c.index,
+                                 grammar=plan.grammar, draw_index=c.index,
                                  timeout_s=s.request_timeout_s)
     st.inflight += n
     return choices

@@ -215,10 +215,22 @@ def cmd_serve(args) -> int:
 
     from .app import create_app
 
+    if getattr(args, "distributed", False):
+        args.set.append("server.distributed=true")
     settings = _settings(args, SERVE_FLAGS)
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    group = None
+    if settings.server.distributed:
+        import mlx.core as mx
+
+        from .app import follow
+
+        group = mx.distributed.init()
+        logging.getLogger("mixbit.server").info("distributed: rank %d of %d", group.rank(), group.size())
+        if group.rank() > 0:
+            return follow(settings, group)
+    app = create_app(settings, group=group)
     uvicorn.run(app, host=settings.server.host, port=settings.server.port,
                 log_level=settings.server.log_level, timeout_graceful_shutdown=int(
                     settings.server.shutdown_grace_s) + 1)
@@ -285,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     _add_settings_flags(p, SERVE_FLAGS)
+    p.add_argument("--distributed", action="store_true",
+                   help="server.distributed: one model over the ranks of mlx.launch (rank 0 serves HTTP)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the effective settings")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache
 
@@ -108,13 +110,24 @@ class _Sequence:
     cancelled: str | None = None
     tokens: list[int] = field(default_factory=list)
     last_at: float | None = None
+    sid: int = 0  # the same id on every rank of a distributed engine
+    grammar: str | None = None  # grammar text, so followers build the same constraint
 
 
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_step: int = 512,
                  cache_entries: int = 64, cache_bytes: int = 1 << 30, model_key: str = "model",
-                 on_token_gap: Callable[[float], None] | None = None):
+                 on_token_gap: Callable[[float], None] | None = None, group=None,
+                 grammar_engine=None):
+        """With a distributed `group` (size > 1), rank 0 takes requests and every rank runs
+        the same batch in lockstep: rank 0 shares each admission and cancellation with the
+        others before the step that applies it, so tensor-parallel collectives line up."""
         self.model = model
+        self.group = group if group is not None and group.size() > 1 else None
+        self.rank = self.group.rank() if self.group is not None else 0
+        self.grammar_engine = grammar_engine
+        self._by_sid: dict[int, _Sequence] = {}
+        self._next_sid = 0
         self.on_token_gap = on_token_gap  # inter-token latency observer (metrics)
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -144,10 +157,16 @@ class Engine:
 
     def submit(self, prompt: list[int], params: SamplingParams, emit: Callable[[Any], None],
                extra_processors: list | None = None, draw_index: int = 0,
-               timeout_s: float | None = None) -> _Sequence:
+               timeout_s: float | None = None, grammar=None) -> _Sequence:
+        """`grammar`: a compiled grammar (models.grammar) that constrains this sequence."""
+        extra = list(extra_processors or [])
+        if grammar is not None:
+            extra.append(self.grammar_engine.processor(grammar))
+        self._next_sid += 1
         seq = _Sequence(prompt=list(prompt), params=params, emit=emit,
-                        extra_processors=list(extra_processors or []), draw_index=draw_index,
-                        deadline=(time.monotonic() + timeout_s) if timeout_s else None)
+                        extra_processors=extra, draw_index=draw_index,
+                        deadline=(time.monotonic() + timeout_s) if timeout_s else None,
+                        sid=self._next_sid, grammar=grammar.text if grammar is not None else None)
         self.stats.waiting += 1
         self._inbox.put(("add", seq))
         return seq
@@ -156,13 +175,25 @@ class Engine:
         self._inbox.put(("cancel", seq, reason))
 
     # ------------------------------------------------------------------ engine thread
+    def run_follower(self) -> None:
+        """A rank > 0 of a distributed engine: mirrors rank 0 until it says stop."""
+        self._run()
+        if self.error is not None:
+            raise self.error
+
     def _run(self) -> None:
         stream = mx.new_stream(mx.default_device())
         try:
             with mx.stream(stream):
+                if self.group is not None:
+                    mx.random.seed(0)  # unseeded sampling draws the same numbers on every rank
                 gen = self._generator(stream)
-                while not self._stop.is_set():
-                    self._drain_inbox(gen, block=not self._active)
+                while True:
+                    ops = self._next_ops(block=not self._active)
+                    if ops is None:
+                        break
+                    for op in ops:
+                        self._apply(gen, op)
                     if not self._active:
                         continue
                     try:
@@ -185,26 +216,77 @@ class Engine:
                               prefill_batch_size=min(self.max_batch, 8),
                               prefill_step_size=self.prefill_step, stream=stream)
 
-    def _drain_inbox(self, gen: BatchGenerator, block: bool) -> None:
+    def _next_ops(self, block: bool) -> list | None:
+        """What to apply before the next step: admissions and cancellations (None: stop)."""
+        if self.rank > 0:
+            return self._receive()
+        ops: list = []
+        stop = self._stop.is_set()
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=0.05) if block and not stop else self._inbox.get_nowait()
         except queue.Empty:
-            return
-        while item is not None:
-            if item[0] == "add":
-                self.stats.waiting -= 1
-                self._add(gen, item[1])
-            elif item[0] == "cancel":
-                seq, reason = item[1], item[2]
-                if seq.uid is not None and seq.uid in self._active:
-                    gen.remove([seq.uid])
-                    self._finish(seq, reason)
-                else:
-                    seq.cancelled = reason
+            item = False
+        while item is not False and not stop:
+            if item is None:
+                stop = True
+                break
+            ops.append(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                item = None
+                item = False
+        if self.group is not None:
+            # deadlines are rank 0's decision, shared as cancellations like any other
+            now = time.monotonic()
+            ops += [("cancel", seq, "timeout") for seq in self._active.values()
+                    if seq.deadline is not None and now > seq.deadline]
+            self._send(None if stop else ops)
+        return None if stop else ops
+
+    def _send(self, ops: list | None) -> None:
+        wire = None if ops is None else [
+            ("add", op[1].sid, op[1].prompt, op[1].params, op[1].draw_index, op[1].grammar)
+            if op[0] == "add" else ("cancel", op[1].sid, op[2]) for op in ops]
+        data = pickle.dumps(wire)
+        mx.eval(mx.distributed.all_sum(mx.array(len(data)), group=self.group))
+        mx.eval(mx.distributed.all_sum(mx.array(np.frombuffer(data, dtype=np.uint8)), group=self.group))
+
+    def _receive(self) -> list | None:
+        size = mx.distributed.all_sum(mx.array(0), group=self.group).item()
+        data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=self.group)
+        wire = pickle.loads(bytes(np.array(data)))
+        if wire is None:
+            return None
+        ops = []
+        for op in wire:
+            if op[0] == "add":
+                _, sid, prompt, params, draw_index, grammar = op
+                extra = []
+                if grammar is not None:
+                    extra.append(self.grammar_engine.processor(self.grammar_engine.compile(grammar)))
+                seq = _Sequence(prompt=prompt, params=params, emit=lambda event: None,
+                                extra_processors=extra, draw_index=draw_index, sid=sid,
+                                grammar=grammar)
+                self._by_sid[sid] = seq
+                self.stats.waiting += 1
+                ops.append(("add", seq))
+            else:
+                seq = self._by_sid.get(op[1])
+                if seq is not None:
+                    ops.append(("cancel", seq, op[2]))
+        return ops
+
+    def _apply(self, gen: BatchGenerator, op) -> None:
+        if op[0] == "add":
+            self.stats.waiting -= 1
+            self._add(gen, op[1])
+        elif op[0] == "cancel":
+            seq, reason = op[1], op[2]
+            if seq.uid is not None and seq.uid in self._active:
+                gen.remove([seq.uid])
+                self._finish(seq, reason)
+            else:
+                seq.cancelled = reason
 
     def _add(self, gen: BatchGenerator, seq: _Sequence) -> None:
         if seq.cancelled:
@@ -275,7 +357,7 @@ class Engine:
             elif hit:
                 to_remove.append(seq)
                 self._finish(seq, "stop")
-            elif seq.deadline is not None and now > seq.deadline:
+            elif seq.deadline is not None and now > seq.deadline and self.group is None:
                 to_remove.append(seq)
                 self._finish(seq, "timeout")
         if to_remove:
@@ -286,6 +368,7 @@ class Engine:
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
         if seq.uid is not None:
             self._active.pop(seq.uid, None)
+        self._by_sid.pop(seq.sid, None)
         # text held back for a stop string that never completed is real text
         tail = seq.stops.flush() if (seq.stops and reason in ("length", "stop")) else ""
         self.stats.running = len(self._active)

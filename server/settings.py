@@ -54,6 +54,8 @@ class ServerSettings(_Section):
     shutdown_grace_s: float = Field(10.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_auth: bool = Field(False, description="require the API key on /metrics too")
+    distributed: bool = Field(False, description="one model over the ranks of `mlx.launch`: rank "
+                              "0 serves HTTP, the others hold their tensor-parallel shard")
 
 
 class GenerationSettings(_Section):
