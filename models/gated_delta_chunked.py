@@ -18,6 +18,8 @@ loop does. Decays are handled in log space relative to the chunk, so no ratio ov
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 
 CHUNK = 64
@@ -127,3 +129,23 @@ def install() -> None:
         current = module.gated_delta_update
         if getattr(current, "__wrapped__", None) is None:
             module.gated_delta_update = _patched_update(current)
+
+
+@contextlib.contextmanager
+def unpatched():
+    """mlx-lm's own recurrence for the duration (e.g. for gradients: the chunked form's
+    triangular inverse has no vector-Jacobian product in MLX)."""
+    import importlib
+
+    saved = {}
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        current = module.gated_delta_update
+        if getattr(current, "__wrapped__", None) is not None:
+            saved[module] = current
+            module.gated_delta_update = current.__wrapped__
+    try:
+        yield
+    finally:
+        for module, fn in saved.items():
+            module.gated_delta_update = fn

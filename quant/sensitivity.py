@@ -158,3 +158,101 @@ def measure(model: nn.Module, calib: CalibrationSet, bits: tuple[int, ...] = BIT
                   "measured_group_size": MEASURE_GROUP, "bits": list(bits),
                   "method": "one tensor fake-quantized at a time, KL(bf16 || quantized) per token"}
     return table
+
+
+def fisher_estimate(model: nn.Module, calib: CalibrationSet, bits: tuple[int, ...] = BITS,
+                    samples: int = 1, seed: int = 0,
+                    progress: Callable[[int, int, str], None] | None = None) -> SensitivityTable:
+    """The cheap estimator for models too big to ablate tensor by tensor.
+
+    Second-order view of the ablation: KL(p || p_dW) ~ 1/2 dW^T F dW, with F the Fisher
+    information of the model's own predictive distribution. Its diagonal is estimated from
+    squared gradients of log p(y|x) with y drawn from the model (one backward pass per row and
+    sample), so the cost is a few backward passes instead of a forward pass per (tensor,
+    format). Each (tensor, format) then costs one fake-quantization: sum(F * (W - Q(W))^2) / 2.
+    """
+    modules = quantizable(model)
+    key = mx.random.key(seed)
+    fisher = {p: mx.zeros(m.weight.shape, dtype=mx.float32) for p, m in modules.items()}
+    started = time.time()
+
+    def nll(params, rows, targets):
+        model.update(params)
+        logits = model(rows).astype(mx.float32)
+        return nn.losses.cross_entropy(logits, targets, reduction="sum")
+
+    from mixbit.models.gated_delta_chunked import unpatched
+
+    params = model.trainable_parameters()
+    grad_fn = mx.grad(nll)
+    n_rows = calib.rows.shape[0]
+    with unpatched():
+        _accumulate_fisher(model, calib, modules, fisher, grad_fn, params, samples, key, progress)
+    model.update(params)
+    tokens = n_rows * calib.rows.shape[1] * samples
+    table = SensitivityTable(kld={}, params={}, shapes={})
+    for path, module in modules.items():
+        w = module.weight
+        f = fisher[path] / tokens
+        table.kld[path], table.estimated[path] = {}, []
+        table.params[path], table.shapes[path] = int(w.size), list(w.shape)
+        for fmt in formats_for(w.shape[-1]):
+            if fmt.bits not in bits:
+                continue
+            dw = w.astype(mx.float32) - fake_quantize(w, fmt).astype(mx.float32)
+            table.kld[path][fmt.name] = 0.5 * float((f * dw * dw).sum().item())
+            table.estimated[path].append(fmt.name)
+    table.meta = {"calibration": calib.provenance, "seconds": round(time.time() - started, 1),
+                  "bits": list(bits), "samples": samples,
+                  "method": "diagonal Fisher (squared gradients of log p(y|x), y sampled from the "
+                            "model) times squared quantization error, halved"}
+    return table
+
+
+def _accumulate_fisher(model, calib, modules, fisher, grad_fn, params, samples, key, progress):
+    from mlx.utils import tree_flatten
+
+    n_rows = calib.rows.shape[0]
+    for i in range(n_rows):
+        row = calib.rows[i:i + 1]
+        logits = model(row).astype(mx.float32)
+        for _ in range(samples):
+            key, sub = mx.random.split(key)
+            targets = mx.random.categorical(logits, key=sub)
+            grads = dict(tree_flatten(grad_fn(params, row, targets)))
+            for p in modules:
+                g = grads.get(p + ".weight")
+                if g is not None:
+                    fisher[p] = fisher[p] + g.astype(mx.float32) ** 2
+            mx.eval(fisher)
+        if progress:
+            progress(i + 1, n_rows, "fisher")
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(a: SensitivityTable, b: SensitivityTable, fmt: str | None = None) -> tuple[float, int]:
+    """Spearman's rho between two tables over the (tensor, format) pairs both have (one format
+    when `fmt` is given, e.g. "q4g64" to compare tensor rankings at 4 bits)."""
+    pairs = [(a.kld[p][f], b.kld[p][f]) for p in a.kld if p in b.kld for f in a.kld[p]
+             if f in b.kld[p] and (fmt is None or f == fmt) and f not in a.estimated.get(p, [])]
+    if len(pairs) < 3:
+        return float("nan"), len(pairs)
+    ra, rb = _ranks([x for x, _ in pairs]), _ranks([y for _, y in pairs])
+    n = len(pairs)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return (cov / var if var else float("nan")), n

@@ -86,7 +86,7 @@ def _shapes(folder: Path) -> dict[str, list[int]]:
 
 def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str | None = None,
                    progress: Callable[[str], None] | None = None, target_bpw: float | None = None,
-                   calibration: str | None = None) -> Variant:
+                   calibration: str | None = None, sensitivity: str = "auto") -> Variant:
     say = progress or (lambda msg: log.info(msg))
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; available: {', '.join(RECIPES)}")
@@ -106,7 +106,9 @@ def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str
     if recipe == "mixbit-auto" and target_bpw is None:
         target_bpw = DEFAULT_TARGET_BPW
     calib_id = "builtin" if not calibration else artifact.sha256_file(Path(calibration))[:16]
-    key = variant_key(weights_digest(resolved.path, root), recipe, target_bpw, calib_id)
+    method = sensitivity_method(resolved, sensitivity) if recipe == "mixbit-auto" else None
+    key = variant_key(weights_digest(resolved.path, root), recipe, target_bpw,
+                      calib_id + (f"+{method}" if method and method != "ablation" else ""))
     dst = variants / key
     if dst.exists():
         started = time.time()
@@ -118,6 +120,7 @@ def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str
         log.warning("cached variant %s is damaged (%s); rebuilding it", dst, problem)
         shutil.rmtree(dst, ignore_errors=True)
     quantize(resolved, recipe, dst, target_bpw=target_bpw, calibration=calibration, progress=say,
+             sensitivity=sensitivity,
              cache_root=root)
     return Variant(path=dst, recipe=recipe, source=resolved,
                    manifest={**(_read_recipe(dst) or {}), "source": resolved.source})
@@ -134,7 +137,7 @@ def _read_recipe(folder: Path) -> dict | None:
 
 def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float | None = None,
              calibration: str | None = None, progress: Callable[[str], None] | None = None,
-             cache_root: Path | None = None) -> dict:
+             cache_root: Path | None = None, sensitivity: str = "auto") -> dict:
     """Builds the variant folder `dst` for `recipe`; returns its recipe.json content."""
     say = progress or (lambda msg: log.info(msg))
     started = time.time()
@@ -144,7 +147,7 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
     extra: dict = {}
     if recipe == "mixbit-auto":
         formats, extra = _auto_plan(resolved, root, digest, target_bpw or DEFAULT_TARGET_BPW,
-                                    calibration, say)
+                                    calibration, say, sensitivity_method(resolved, sensitivity))
     else:
         formats = static_plan(recipe, shapes).formats
     say(f"recipe {recipe}: quantizing {len(formats)} tensors")
@@ -199,18 +202,32 @@ def _awq_transform(resolved: ResolvedModel, formats: dict[str, Format], manifest
     return transform
 
 
+ABLATION_LIMIT = 400  # (tensor, bits) pairs; above it "auto" uses the Fisher estimate
+
+
+def sensitivity_method(resolved: ResolvedModel, choice: str = "auto") -> str:
+    """ablation or fisher: ablation costs a forward pass per (tensor, bit width)."""
+    if choice != "auto":
+        return choice
+    from .formats import BITS
+
+    return "ablation" if len(_shapes(resolved.path)) * len(BITS) <= ABLATION_LIMIT else "fisher"
+
+
 def _auto_plan(resolved: ResolvedModel, root: Path, digest: str, target_bpw: float,
-               calibration: str | None, say: Callable[[str], None]) -> tuple[dict, dict]:
+               calibration: str | None, say: Callable[[str], None],
+               method: str = "ablation") -> tuple[dict, dict]:
     """Measure (or reuse the saved table), then allocate bits under the budget."""
     from mixbit.models.loading import load
 
     from . import calibration as calib
     from .allocate import allocate, budget_for_bpw
-    from .sensitivity import SensitivityTable, measure
+    from .sensitivity import SensitivityTable, fisher_estimate, measure
 
     lm = load(resolved, "auto")
     cal = calib.build(lm.tokenizer, n_rows=16, length=128, extra=calibration)
-    table_path = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}.json"
+    suffix = "" if method == "ablation" else f"-{method}"
+    table_path = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}{suffix}.json"
     if table_path.is_file():
         table = SensitivityTable.from_json(json.loads(table_path.read_text()))
         say(f"sensitivity table reused: {table_path}")
@@ -222,14 +239,17 @@ def _auto_plan(resolved: ResolvedModel, root: Path, digest: str, target_bpw: flo
                 last[0] = time.time()
                 say(f"measuring sensitivity {done}/{total}: {path}")
 
-        table = measure(lm.model, cal, progress=tick)
+        say(f"sensitivity by {method}")
+        table = measure(lm.model, cal, progress=tick) if method == "ablation" else \
+            fisher_estimate(lm.model, cal, progress=tick)
         table_path.parent.mkdir(parents=True, exist_ok=True)
         table.save(table_path)
     alloc = allocate(table, budget_for_bpw(table, target_bpw))
     tensors = {p: {"sensitivity_kld": round(o.kld, 6), "sensitivity_q4g64": table.kld[p].get("q4g64")}
                for p, o in alloc.choice.items()}
     return alloc.formats(), {"tensors": tensors, "predicted_kld": alloc.predicted_kld,
-                             "calibration": cal.provenance, "sensitivity_table": str(table_path)}
+                             "calibration": cal.provenance, "sensitivity_table": str(table_path),
+                             "sensitivity_method": method}
 
 
 def _manifest(resolved: ResolvedModel, recipe: str, formats: dict[str, Format],

@@ -88,7 +88,8 @@ def ensure_shared_variant(s: Settings, resolved, progress, group=None):
     def ensure():
         return ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress,
                               target_bpw=s.quant.target_bpw if s.quant.recipe == "mixbit-auto" else None,
-                              calibration=s.quant.calibration or None)
+                              calibration=s.quant.calibration or None,
+                              sensitivity=s.quant.sensitivity)
 
     if group is None or group.size() == 1:
         return ensure()

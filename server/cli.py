@@ -195,11 +195,12 @@ def cmd_quantize(args) -> int:
         if out.exists():
             raise SettingsError(f"--out {out} exists; choose a new folder")
         manifest = quantize(resolved, q.recipe, out, target_bpw=bpw, calibration=q.calibration or None,
+                            sensitivity=q.sensitivity,
                             progress=progress, cache_root=Path(m.cache_dir).expanduser())
         path = out
     else:
         variant = ensure_variant(resolved, q.recipe, m.cache_dir, progress, target_bpw=bpw,
-                                 calibration=q.calibration or None)
+                                 calibration=q.calibration or None, sensitivity=q.sensitivity)
         manifest, path = variant.manifest, variant.path
     bar.close()
     print(json.dumps({"path": str(path), "recipe": q.recipe,

@@ -37,6 +37,10 @@ class QuantSettings(_Section):
         "start and cache the result (see quant/README.md)")
     target_bpw: float = Field(4.5, ge=2.5, le=16.0, description="mixbit-auto's budget in bits per weight")
     calibration: str = Field("", description="JSONL file of extra calibration chats; empty: built-in")
+    sensitivity: Literal["auto", "ablation", "fisher"] = Field(
+        "auto", description="mixbit-auto's sensitivity measure: ablation (one tensor quantized at "
+        "a time, exact KLD), fisher (diagonal Fisher estimate, a few backward passes), auto: "
+        "ablation up to 400 (tensor, bits) pairs, fisher above")
 
 
 class ServerSettings(_Section):
