@@ -79,3 +79,70 @@ def build(tokenizer, n_rows: int = 16, length: int = 256, split: str = "train",
     provenance = {"source": "mixbit.models.corpus" + (f" + {extra}" if extra else ""),
                   "split": split, "seed": seed, "rows": n_rows, "length": length, "sha256": digest}
     return CalibrationSet(rows=mx.array(ids).reshape(n_rows, length), provenance=provenance)
+
+
+SELF = "self"  # quant.calibration value: the model's own completions of the built-in prompts
+
+
+def seed_prompts(n: int, seed: int = CALIBRATION_SEED) -> list[dict]:
+    """Built-in documents cut before their first assistant turn: what users would send."""
+    out = []
+    for doc in builtin_documents(n, "train", seed):
+        msgs = doc["messages"]
+        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+        if first:
+            out.append({**doc, "messages": msgs[:first]})
+    return out
+
+
+def build_self(lm, n_rows: int = 16, length: int = 128, seed: int = CALIBRATION_SEED,
+               max_tokens: int = 96) -> CalibrationSet:
+    """Calibration text the unquantized model writes itself: the built-in seed prompts, each
+    followed by the model's own (greedy) completion, packed like `build`."""
+    from .evaluate import generate_batch
+
+    tok = lm.tokenizer
+    need = n_rows * length
+    ids: list[int] = []
+    batch_seed = seed
+    while len(ids) < need:
+        prompts = seed_prompts(32, batch_seed)
+        batch_seed += 32
+        texts = [tok.apply_chat_template(p["messages"], tools=p.get("tools"), tokenize=False,
+                                         add_generation_prompt=True,
+                                         enable_thinking=p.get("enable_thinking", False))
+                 for p in prompts]
+        outs = generate_batch(lm, texts, max_tokens=max_tokens)
+        for text, out in zip(texts, outs):
+            ids += tok.encode(text + out, add_special_tokens=False) + [tok.eos_token_id]
+    ids = ids[:need]
+    digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+    provenance = {"source": "self-generated: built-in prompts + the unquantized model's greedy "
+                            "completions", "seed": seed, "rows": n_rows, "length": length,
+                  "sha256": digest}
+    return CalibrationSet(rows=mx.array(ids).reshape(n_rows, length), provenance=provenance)
+
+
+def for_quantization(resolved, calibration: str | None, cache_root: Path,
+                     n_rows: int = 16, length: int = 128) -> CalibrationSet:
+    """The calibration set a recipe uses: built-in (+ a user JSONL), or self-generated (made
+    once per checkpoint and kept in the cache, so allocation and AWQ see the same rows)."""
+    if calibration != SELF:
+        from mlx_lm.utils import load_tokenizer
+
+        return build(load_tokenizer(resolved.path), n_rows=n_rows, length=length, extra=calibration)
+    from mixbit.models.loading import load
+
+    from .variants import weights_digest
+
+    path = cache_root / "calibration" / f"self-{weights_digest(resolved.path, cache_root)[:16]}-{n_rows}x{length}.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return CalibrationSet(rows=mx.array(data["ids"]).reshape(n_rows, length),
+                              provenance=data["provenance"])
+    cal = build_self(load(resolved), n_rows, length)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"ids": cal.rows.reshape(-1).tolist(), "provenance": cal.provenance}))
+    tmp.replace(path)
+    return cal

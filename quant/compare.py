@@ -75,9 +75,10 @@ def build_variant(spec: str, resolved: ResolvedModel, cache_dir: str, work: Path
         if not out.exists():
             _run_dynamic_quant(resolved, out, bpw, work)
         return out, time.time() - started
+    spec, _, calibration = spec.partition("+")  # e.g. mixbit-auto@4.5+self
     recipe, _, bpw = spec.partition("@")
     variant = ensure_variant(resolved, recipe, cache_dir=cache_dir,
-                             target_bpw=float(bpw) if bpw else None)
+                             target_bpw=float(bpw) if bpw else None, calibration=calibration or None)
     return variant.path, time.time() - started
 
 

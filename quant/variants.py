@@ -105,7 +105,8 @@ def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str
     artifact.clean_partials(variants)
     if recipe == "mixbit-auto" and target_bpw is None:
         target_bpw = DEFAULT_TARGET_BPW
-    calib_id = "builtin" if not calibration else artifact.sha256_file(Path(calibration))[:16]
+    calib_id = "builtin" if not calibration else "self" if calibration == "self" else \
+        artifact.sha256_file(Path(calibration))[:16]
     method = sensitivity_method(resolved, sensitivity) if recipe == "mixbit-auto" else None
     key = variant_key(weights_digest(resolved.path, root), recipe, target_bpw,
                       calib_id + (f"+{method}" if method and method != "ablation" else ""))
@@ -156,7 +157,8 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
     for path, info in extra.pop("tensors", {}).items():
         manifest["tensors"][path].update(info)
     manifest.update(extra)
-    transform = _awq_transform(resolved, formats, manifest, calibration, say) if recipe in AWQ_RECIPES else None
+    transform = _awq_transform(resolved, formats, manifest, calibration, say, root) \
+        if recipe in AWQ_RECIPES else None
     from mlx_lm.utils import load_tokenizer
 
     from . import calibration as calib
@@ -176,17 +178,15 @@ AWQ_RECIPES = ("mixbit-auto", "unsloth-static")
 
 
 def _awq_transform(resolved: ResolvedModel, formats: dict[str, Format], manifest: dict,
-                   calibration: str | None, say: Callable[[str], None]) -> Callable:
+                   calibration: str | None, say: Callable[[str], None], root: Path) -> Callable:
     """AWQ scales searched on calibration activations and folded into the norms, recorded in
     the manifest (alpha per group, and which tensors were scaled)."""
-    from mlx_lm.utils import load_tokenizer
-
     from . import calibration as calib
     from .awq import apply_awq
 
     def transform(model) -> None:
         say("AWQ: searching activation-aware scales")
-        cal = calib.build(load_tokenizer(resolved.path), n_rows=16, length=128, extra=calibration)
+        cal = calib.for_quantization(resolved, calibration, root)
         groups = apply_awq(model, cal.rows, formats)
         prefix = next(iter(formats)).split(".layers.")[0] if formats else ""
         for g in groups:
@@ -225,7 +225,7 @@ def _auto_plan(resolved: ResolvedModel, root: Path, digest: str, target_bpw: flo
     from .sensitivity import SensitivityTable, fisher_estimate, measure
 
     lm = load(resolved, "auto")
-    cal = calib.build(lm.tokenizer, n_rows=16, length=128, extra=calibration)
+    cal = calib.for_quantization(resolved, calibration, root)
     suffix = "" if method == "ablation" else f"-{method}"
     table_path = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}{suffix}.json"
     if table_path.is_file():

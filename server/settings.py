@@ -36,7 +36,8 @@ class QuantSettings(_Section):
         "bf16", description="bf16 serves the checkpoint unquantized; the others quantize at first "
         "start and cache the result (see quant/README.md)")
     target_bpw: float = Field(4.5, ge=2.5, le=16.0, description="mixbit-auto's budget in bits per weight")
-    calibration: str = Field("", description="JSONL file of extra calibration chats; empty: built-in")
+    calibration: str = Field("", description="JSONL file of extra calibration chats; \"self\": the "
+                             "model's own completions of the built-in prompts; empty: built-in")
     sensitivity: Literal["auto", "ablation", "fisher"] = Field(
         "auto", description="mixbit-auto's sensitivity measure: ablation (one tensor quantized at "
         "a time, exact KLD), fisher (diagonal Fisher estimate, a few backward passes), auto: "
