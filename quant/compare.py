@@ -44,6 +44,7 @@ class VariantResult:
     tools_constrained: dict[str, float] = field(default_factory=dict)
     soak: dict = field(default_factory=dict)  # rounds before the agent loop broke, free/constrained
     seconds_to_build: float = 0.0
+    error: str = ""  # a variant that could not be built or loaded: reported, the others go on
 
 
 def weight_bytes(folder: Path) -> int:
@@ -115,7 +116,7 @@ def token_klds(reference: LoadedModel, candidate: LoadedModel, rows: mx.array) -
 
 
 def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_docs: int = 120,
-            work: Path | None = None, progress=print) -> list[VariantResult]:
+            work: Path | None = None, progress=print, on_result=None) -> list[VariantResult]:
     resolved = resolve(source)
     work = work or Path(tempfile.mkdtemp(prefix="mixbit-eval-"))
     reference = load(resolved)
@@ -128,8 +129,19 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
         if spec == "bf16":
             path, built, lm = resolved.path, 0.0, reference
         else:
-            path, built = build_variant(spec, resolved, cache_dir, work)
-            lm = load(resolved, path=path)
+            try:
+                path, built = build_variant(spec, resolved, cache_dir, work)
+                lm = load(resolved, path=path)
+            except Exception as exc:  # noqa: BLE001 - e.g. a peer quantizer that refuses the model
+                err = getattr(exc, "stderr", b"") or b""
+                detail = (err.decode(errors="replace").strip().splitlines() or [str(exc)])[-1]
+                progress(f"{spec}: failed: {detail}")
+                results.append(VariantResult(name=spec, path="", nbytes=0, bits_per_weight=float("nan"),
+                                             kld_mean=float("nan"), kld_p99=float("nan"),
+                                             top1=float("nan"), error=detail[:300]))
+                if on_result:
+                    on_result(results)
+                continue
         klds, top1 = token_klds(reference, lm, rows)
         sorted_k = mx.sort(klds)
         p99 = float(sorted_k[int(0.99 * (sorted_k.size - 1))].item())
@@ -143,6 +155,8 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
             kld_mean=float(klds.mean().item()), kld_p99=p99, top1=top1,
             ppl={k: math.exp(v) for k, v in losses.items()}, tools=tools, tools_constrained=constrained,
             soak=soak, seconds_to_build=round(built, 1)))
+        if on_result:
+            on_result(results)
     return results
 
 
@@ -153,6 +167,9 @@ def table(results: list[VariantResult]) -> str:
             "agent rounds (free / grammar)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
+        if r.error:
+            lines.append(f"| {r.name} | failed: {r.error} |")
+            continue
         cells = [r.name, f"{r.nbytes / 1e6:.2f}", f"{r.bits_per_weight:.2f}", f"{r.kld_mean:.4f}",
                  f"{r.kld_p99:.4f}", f"{r.top1:.3f}", *[f"{r.ppl.get(k, float('nan')):.3f}" for k in kinds],
                  f"{r.tools['well_formed']:.1%}", f"{r.tools['right_function']:.1%}",
@@ -184,7 +201,7 @@ def plot(results: list[VariantResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    quantized = [r for r in results if r.name != "bf16"]
+    quantized = [r for r in results if r.name != "bf16" and not r.error]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in quantized:
         ax.scatter(r.nbytes / 1e6, r.kld_mean, s=40)
@@ -208,7 +225,11 @@ def to_json(results: list[VariantResult]) -> list[dict]:
 
 def main_eval(source: str, specs: list[str], cache_dir: str, out_json: str | None, out_png: str | None,
               n_tool: int) -> str:
-    results = compare(source, specs, cache_dir, n_tool=n_tool)
+    def save(partial):
+        if out_json:
+            Path(out_json).write_text(json.dumps(to_json(partial), indent=1) + "\n")
+
+    results = compare(source, specs, cache_dir, n_tool=n_tool, on_result=save)
     text = table(results)
     if out_json:
         Path(out_json).write_text(json.dumps(to_json(results), indent=1) + "\n")
