@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import ROOT, Server, free_port  # noqa: E402
 
 MODEL = "tiny-qwen3.5"
-CACHE = ROOT / ".cache" / "bench-fidelity"
+CACHE = Path("~/.cache/mixbit").expanduser()  # the default cache: reuses what `mixbit eval --variants` built
 
 
 def damaged_variant() -> Path:
@@ -44,7 +44,7 @@ def damaged_variant() -> Path:
         bits = int(info.get("bits", 16))
         plan[path] = Format(2, 64) if path.endswith("linear_attn.out_proj") else \
             Format(bits, int(info.get("group_size") or 64))
-    dst = CACHE / "damaged-out-proj-2bit"
+    dst = ROOT / ".cache" / f"damaged-out-proj-2bit-{auto.path.name}"
     if not dst.exists():
         from mixbit.quant import calibration as calib
         from mlx_lm.utils import load_tokenizer
