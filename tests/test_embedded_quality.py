@@ -26,18 +26,20 @@ def seen_phrasings(loaded_tiny):
 
 
 def test_new_function_value_pairs_with_trained_phrasings(seen_phrasings):
-    r = seen_phrasings.rates()  # measured: 91.7% / 91.7% / 47.9%
-    assert r["well_formed"] >= 0.85, seen_phrasings.failures[:3]
-    assert r["right_function"] >= 0.85, seen_phrasings.failures[:3]
-    assert r["exact_args"] >= 0.40, seen_phrasings.failures[:3]
+    r = seen_phrasings.rates()  # measured: 97.9% / 97.9% / 62.5%
+    assert r["well_formed"] >= 0.92, seen_phrasings.failures[:3]
+    assert r["right_function"] >= 0.92, seen_phrasings.failures[:3]
+    assert r["exact_args"] >= 0.55, seen_phrasings.failures[:3]
 
 
 def test_heldout_phrasings(heldout):
-    r = heldout.rates()  # measured: 29.2% / 27.1% / 6.3%, plain 12.5% (the card says why so low)
-    assert r["well_formed"] >= 0.22
-    assert r["right_function"] >= 0.20
-    assert r["exact_args"] >= 0.02
-    assert r["plain_answer"] >= 0.08
+    # new sentences (frame x request combinations never trained on) and new (function, value)
+    # pairs; measured: 93.8% / 93.8% / 58.3%, plain answers 91.7%
+    r = heldout.rates()
+    assert r["well_formed"] >= 0.88, heldout.failures[:3]
+    assert r["right_function"] >= 0.88, heldout.failures[:3]
+    assert r["exact_args"] >= 0.50, heldout.failures[:3]
+    assert r["plain_answer"] >= 0.83, heldout.failures[:3]
 
 
 def test_cli_chat_prints_a_tool_call():
