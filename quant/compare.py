@@ -116,7 +116,8 @@ def token_klds(reference: LoadedModel, candidate: LoadedModel, rows: mx.array) -
 
 
 def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_docs: int = 120,
-            work: Path | None = None, progress=print, on_result=None) -> list[VariantResult]:
+            work: Path | None = None, progress=print, on_result=None,
+            soak: bool = False) -> list[VariantResult]:
     resolved = resolve(source)
     work = work or Path(tempfile.mkdtemp(prefix="mixbit-eval-"))
     reference = load(resolved)
@@ -148,13 +149,13 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
         losses = heldout_loss_by_kind(lm, docs)
         tools = tool_call_eval(lm, prompts).rates()
         constrained = tool_call_eval(lm, prompts, constrained=True).rates()
-        soak = {mode: agent_soak(lm, constrained=mode == "constrained").__dict__
-                for mode in ("free", "constrained")}
+        soaks = {mode: agent_soak(lm, constrained=mode == "constrained").__dict__
+                 for mode in ("free", "constrained")} if soak else {}
         results.append(VariantResult(
             name=spec, path=str(path), nbytes=weight_bytes(Path(path)), bits_per_weight=bits_per_weight(lm),
             kld_mean=float(klds.mean().item()), kld_p99=p99, top1=top1,
             ppl={k: math.exp(v) for k, v in losses.items()}, tools=tools, tools_constrained=constrained,
-            soak=soak, seconds_to_build=round(built, 1)))
+            soak=soaks, seconds_to_build=round(built, 1)))
         if on_result:
             on_result(results)
     return results
@@ -224,12 +225,12 @@ def to_json(results: list[VariantResult]) -> list[dict]:
 
 
 def main_eval(source: str, specs: list[str], cache_dir: str, out_json: str | None, out_png: str | None,
-              n_tool: int) -> str:
+              n_tool: int, soak: bool = False) -> str:
     def save(partial):
         if out_json:
             Path(out_json).write_text(json.dumps(to_json(partial), indent=1) + "\n")
 
-    results = compare(source, specs, cache_dir, n_tool=n_tool, on_result=save)
+    results = compare(source, specs, cache_dir, n_tool=n_tool, on_result=save, soak=soak)
     text = table(results)
     if out_json:
         Path(out_json).write_text(json.dumps(to_json(results), indent=1) + "\n")

@@ -149,7 +149,7 @@ def cmd_eval(args) -> int:
 
         specs = [v.strip() for v in args.variants.split(",") if v.strip()]
         print(main_eval(settings.model.source, specs, settings.model.cache_dir, args.out, args.plot,
-                        n_tool=args.n_tool))
+                        n_tool=args.n_tool, soak=args.soak))
         for f in (args.out, args.plot):
             if f:
                 print(f"wrote {f}")
@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", help="compare quantized variants against bf16, e.g. "
                    "uniform-4,uniform-3,unsloth-static,mixbit-auto,mlx-uniform-4,mlx-dynamic@4.5")
     p.add_argument("--plot", help="with --variants: write a PNG of KLD against size here")
+    p.add_argument("--soak", action="store_true",
+                   help="with --variants: also run the multi-turn agent soak per variant (slow)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("quantize", help="quantize a model with a recipe (cached, or into --out)")
