@@ -130,11 +130,17 @@ def test_json_schema_strict_and_json_object_always_parse(client):
 
 
 def test_thinking_and_json_coexist(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"]}
     r = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "JSON please: name Leo, age 40."}],
-        response_format={"type": "json_object"}, temperature=0,
-        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}},
+        temperature=0, max_tokens=300, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.model_extra.get("reasoning_content")  # reasoning stayed free
+    jsonschema.validate(json.loads(choice.message.content), schema)  # the answer is constrained
 
 
 def test_constrained_and_free_requests_share_the_batch(server):
