@@ -37,10 +37,14 @@ class LoadedModel:
         return getattr(self.tokenizer, "chat_template", None)
 
 
-def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None) -> LoadedModel:
+def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
+         dequantize: bool = False) -> LoadedModel:
     """Loads `resolved` (or `path`, a variant of it such as a quantized copy) with mlx-lm.
     With a distributed `group` of size > 1, mlx-lm's tensor-parallel sharding splits the
-    model across the group's ranks (each holds its slice)."""
+    model across the group's ranks (each holds its slice). `dequantize`: quantized layers
+    become dense ones with the dequantized weights (the same function up to rounding), for
+    teacher-forced evaluation on CPU, where dense float32 matmuls use BLAS and long prompts
+    through quantized kernels are slow."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
 
@@ -55,6 +59,8 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None) ->
         model, tokenizer = sharded_load(str(folder), tensor_group=group)
     else:
         model, tokenizer = mlx_load(str(folder))
+    if dequantize:
+        _dequantize(model)
     target = compute_dtype(dtype)
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed
@@ -77,3 +83,25 @@ def prompt_opens_think(prompt: str) -> bool:
     """True when the rendered prompt ends inside an open `<think>` block."""
     tail = prompt.rstrip()
     return tail.endswith("<think>")
+
+
+def _dequantize(model) -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    swaps = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size,
+                              bits=m.bits, mode=getattr(m, "mode", "affine"))
+            if isinstance(m, nn.QuantizedLinear):
+                dense = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+                if "bias" in m:
+                    dense.bias = m.bias
+            else:
+                dense = nn.Embedding(w.shape[0], w.shape[1])
+            dense.weight = w
+            swaps.append((path, dense))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))

@@ -143,10 +143,12 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
                 if on_result:
                     on_result(results)
                 continue
-        klds, top1 = token_klds(reference, lm, rows)
+        # teacher-forced measurements on the dequantized weights (same function, BLAS speed)
+        dense = lm if spec == "bf16" else load(resolved, path=path, dequantize=True)
+        klds, top1 = token_klds(reference, dense, rows)
         sorted_k = mx.sort(klds)
         p99 = float(sorted_k[int(0.99 * (sorted_k.size - 1))].item())
-        losses = heldout_loss_by_kind(lm, docs)
+        losses = heldout_loss_by_kind(dense, docs)
         tools = tool_call_eval(lm, prompts).rates()
         constrained = tool_call_eval(lm, prompts, constrained=True).rates()
         soaks = {mode: agent_soak(lm, constrained=mode == "constrained").__dict__
