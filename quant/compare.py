@@ -143,15 +143,18 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
                 if on_result:
                     on_result(results)
                 continue
-        # teacher-forced measurements on the dequantized weights (same function, BLAS speed)
+        # measured on the dequantized weights: the same function to float rounding (KLD 0.02349
+        # vs 0.02328 for uniform-4 through the quantized kernels), at BLAS speed on CPU
         dense = lm if spec == "bf16" else load(resolved, path=path, dequantize=True)
         klds, top1 = token_klds(reference, dense, rows)
         sorted_k = mx.sort(klds)
         p99 = float(sorted_k[int(0.99 * (sorted_k.size - 1))].item())
         losses = heldout_loss_by_kind(dense, docs)
-        tools = tool_call_eval(lm, prompts).rates()
-        constrained = tool_call_eval(lm, prompts, constrained=True).rates()
-        soaks = {mode: agent_soak(lm, constrained=mode == "constrained").__dict__
+        # generation too: on CPU, prefilling tool prompts through quantized kernels is the slow
+        # part, and the dequantized weights compute the same function to float rounding
+        tools = tool_call_eval(dense, prompts).rates()
+        constrained = tool_call_eval(dense, prompts, constrained=True).rates()
+        soaks = {mode: agent_soak(dense, constrained=mode == "constrained").__dict__
                  for mode in ("free", "constrained")} if soak else {}
         results.append(VariantResult(
             name=spec, path=str(path), nbytes=weight_bytes(Path(path)), bits_per_weight=bits_per_weight(lm),

@@ -121,7 +121,8 @@ def main() -> int:
     rows = {}
     for name, extra in [("mixbit-auto", ["--recipe", "mixbit-auto"]),
                         ("damaged (out_proj 2-bit)", ["--model", str(damaged),
-                                                      "--set", "fidelity.reference='embedded:tiny-qwen3.5'"])]:
+                                                      "--set", "fidelity.reference='embedded:tiny-qwen3.5'",
+                                                      "--set", f"model.served_name='{MODEL}'"])]:
         s = serve(name.split()[0], *extra, "--set", "fidelity.sample_rate=1.0",
                   "--set", "fidelity.max_per_minute=100000", "--set", "fidelity.queue_size=1024")
         try:
