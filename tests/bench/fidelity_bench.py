@@ -29,8 +29,9 @@ MODEL = "tiny-qwen3.5"
 CACHE = Path("~/.cache/mixbit").expanduser()  # the default cache: reuses what `mixbit eval --variants` built
 
 
-def damaged_variant() -> Path:
-    """mixbit-auto's plan with linear_attn.out_proj at 2 bits, written by quant's own writer."""
+def damaged_variant(pattern: str = "linear_attn.out_proj") -> Path:
+    """mixbit-auto's plan with every tensor whose path contains `pattern` at 2 bits, written by
+    quant's own writer."""
     from mixbit.models.registry import resolve
     from mixbit.quant import artifact
     from mixbit.quant.formats import Format
@@ -42,9 +43,9 @@ def damaged_variant() -> Path:
     plan = {}
     for path, info in manifest["tensors"].items():
         bits = int(info.get("bits", 16))
-        plan[path] = Format(2, 64) if path.endswith("linear_attn.out_proj") else \
+        plan[path] = Format(2, 64) if pattern in path else \
             Format(bits, int(info.get("group_size") or 64))
-    dst = ROOT / ".cache" / f"damaged-out-proj-2bit-{auto.path.name}"
+    dst = ROOT / ".cache" / f"damaged-{pattern.replace('.', '-')}-2bit-{auto.path.name}"
     if not dst.exists():
         from mixbit.quant import calibration as calib
         from mlx_lm.utils import load_tokenizer
@@ -114,13 +115,15 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--damage", default="linear_attn.out_proj",
+                    help="tensors (path substring) the damaged variant has at 2 bits")
     args = ap.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     bodies = requests(args.requests)
-    damaged = damaged_variant()
+    damaged = damaged_variant(args.damage)
     rows = {}
     for name, extra in [("mixbit-auto", ["--recipe", "mixbit-auto"]),
-                        ("damaged (out_proj 2-bit)", ["--model", str(damaged),
+                        (f"damaged ({args.damage} 2-bit)", ["--model", str(damaged),
                                                       "--set", "fidelity.reference='embedded:tiny-qwen3.5'",
                                                       "--set", f"model.served_name='{MODEL}'"])]:
         s = serve(name.split()[0], *extra, "--set", "fidelity.sample_rate=1.0",
@@ -134,7 +137,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['checks']} | {r['kld']:.4f} | {r['top1']:.3f} | {r['flips']:.3f} | {r['seconds']:.2f} |")
-    good, bad = rows["mixbit-auto"], rows["damaged (out_proj 2-bit)"]
+    good, bad = rows["mixbit-auto"], rows[f"damaged ({args.damage} 2-bit)"]
     print(f"\ndamaged / mixbit-auto: KLD x{bad['kld'] / max(good['kld'], 1e-12):.1f}, "
           f"flip rate x{bad['flips'] / max(good['flips'], 1e-12):.1f}")
     if args.skip_overhead:
