@@ -51,10 +51,16 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def bits_per_weight(lm: LoadedModel) -> float:
-    from mlx_lm.utils import compute_bits_per_weight
+def bits_per_weight(nbytes: int, n_params: int) -> float:
+    """Stored bits per weight (scales and biases included), from the checkpoint's bytes: the
+    loaded model is float32 on CPU, so counting its arrays would say 32 for a bf16 checkpoint."""
+    return 8 * nbytes / n_params
 
-    return float(compute_bits_per_weight(lm.model))
+
+def parameter_count(lm: LoadedModel) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(lm.model.parameters()))
 
 
 def build_variant(spec: str, resolved: ResolvedModel, cache_dir: str, work: Path) -> tuple[Path, float]:
@@ -121,6 +127,7 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
     resolved = resolve(source)
     work = work or Path(tempfile.mkdtemp(prefix="mixbit-eval-"))
     reference = load(resolved)
+    n_params = parameter_count(reference)
     rows = calib.build(reference.tokenizer, n_rows=16, length=256, split="heldout").rows
     docs = corpus.heldout_documents(n_docs)
     prompts = corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(max(n_tool // 2, 1))
@@ -157,7 +164,8 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
         soaks = {mode: agent_soak(dense, constrained=mode == "constrained").__dict__
                  for mode in ("free", "constrained")} if soak else {}
         results.append(VariantResult(
-            name=spec, path=str(path), nbytes=weight_bytes(Path(path)), bits_per_weight=bits_per_weight(lm),
+            name=spec, path=str(path), nbytes=weight_bytes(Path(path)),
+            bits_per_weight=bits_per_weight(weight_bytes(Path(path)), n_params),
             kld_mean=float(klds.mean().item()), kld_p99=p99, top1=top1,
             ppl={k: math.exp(v) for k, v in losses.items()}, tools=tools, tools_constrained=constrained,
             soak=soaks, seconds_to_build=round(built, 1)))
@@ -232,13 +240,14 @@ def to_json(results: list[VariantResult]) -> list[dict]:
 def main_eval(source: str, specs: list[str], cache_dir: str, out_json: str | None, out_png: str | None,
               n_tool: int, soak: bool = False) -> str:
     def save(partial):
-        if out_json:
-            Path(out_json).write_text(json.dumps(to_json(partial), indent=1) + "\n")
+        if out_json:  # whole or not at all: a cut run leaves the rows that finished
+            tmp = Path(out_json).with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(to_json(partial), indent=1) + "\n")
+            os.replace(tmp, out_json)
 
     results = compare(source, specs, cache_dir, n_tool=n_tool, on_result=save, soak=soak)
     text = table(results)
-    if out_json:
-        Path(out_json).write_text(json.dumps(to_json(results), indent=1) + "\n")
+    save(results)
     if out_png:
         plot(results, Path(out_png))
     return text
