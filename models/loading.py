@@ -7,10 +7,13 @@ On CPU, MLX runs float32 far faster than bfloat16 (quantized_matmul with bf16 ac
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from .registry import ResolvedModel
+
+log = logging.getLogger("mixbit.models")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -37,38 +40,126 @@ class LoadedModel:
         return getattr(self.tokenizer, "chat_template", None)
 
 
+CPU_QUANTIZED = ("auto", "dense", "packed")
+
+
 def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
-         dequantize: bool = False) -> LoadedModel:
+         dequantize: bool = False, cpu_quantized: str = "auto") -> LoadedModel:
     """Loads `resolved` (or `path`, a variant of it such as a quantized copy) with mlx-lm.
     With a distributed `group` of size > 1, mlx-lm's tensor-parallel sharding splits the
     model across the group's ranks (each holds its slice). `dequantize`: quantized layers
-    become dense ones with the dequantized weights (the same function up to rounding), for
-    teacher-forced evaluation on CPU, where dense float32 matmuls use BLAS and long prompts
-    through quantized kernels are slow."""
+    become dense ones with the dequantized weights (the same function up to rounding).
+
+    `cpu_quantized` says how a quantized model runs on CPU, where MLX's quantized_matmul has no
+    BLAS path and its cost grows with every row (`tests/bench/qmm_bench.py`: a 512-token prefill
+    of the embedded model's mixbit-auto took 2.1 s through the kernels, 0.16 s dense):
+    "dense" dequantizes once at load (bf16-checkpoint speed, float32 memory), "packed" keeps the
+    packed weights and multiplies prompts through a transient dequantized copy
+    (`cpu_quantized_prefill`), "auto" is dense when the dense weights take at most a quarter of
+    physical memory. Either way the served function is the quantized one."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
 
     from . import gated_delta_chunked
     from .registry import read_config
 
+    if cpu_quantized not in CPU_QUANTIZED:
+        raise ValueError(f"cpu_quantized {cpu_quantized!r}: allowed {', '.join(CPU_QUANTIZED)}")
     gated_delta_chunked.install()  # chunk-parallel GatedDeltaNet prefill where no Metal kernel runs
     folder = path or resolved.path
-    if group is not None and group.size() > 1:
+    sharded = group is not None and group.size() > 1
+    if sharded:
         from mlx_lm.utils import sharded_load
 
         model, tokenizer = sharded_load(str(folder), tensor_group=group)
     else:
         model, tokenizer = mlx_load(str(folder))
-    if dequantize:
-        _dequantize(model)
     target = compute_dtype(dtype)
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed
         # weights stay as they are.
         model.set_dtype(target, lambda d: mx.issubdtype(d, mx.floating))
+    if dequantize:
+        _dequantize(model)
+    elif mx.default_device() == mx.cpu and not sharded:
+        dense_bytes = _dense_bytes(model)
+        if dense_bytes and (cpu_quantized == "dense" or
+                            (cpu_quantized == "auto" and dense_bytes <= _physical_memory() // 4)):
+            _dequantize(model)
+            log.info("CPU: quantized layers dequantized once at load (%.1f MB dense float32; "
+                     "MLX's CPU quantized kernels are slow past one row)", dense_bytes / 1e6)
+        elif dense_bytes:
+            n = cpu_quantized_prefill(model)
+            log.info("CPU: %d quantized layers kept packed; prompts multiply through a transient "
+                     "dequantized weight", n)
     mx.eval(model.parameters())
     return LoadedModel(model=model, tokenizer=tokenizer, resolved=resolved,
                        config=read_config(folder))
+
+
+def _dense_bytes(model) -> int:
+    """Float32 bytes the quantized layers would take dense (0: nothing is quantized)."""
+    import mlx.nn as nn
+
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            total += m["weight"].shape[0] * m["weight"].shape[1] * (32 // m.bits) * 4
+    return total
+
+
+def _physical_memory() -> int:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+# Rows (tokens in the call) from which a packed quantized layer on CPU dequantizes its weight for
+# the call and multiplies through BLAS instead of MLX's CPU quantized_matmul, whose cost grows
+# with every row. `tests/bench/qmm_bench.py` (4-bit group 64, float32): one layer alone crosses
+# over at 2-8 rows, but in whole decode steps of the embedded model the per-call dequantization
+# (fresh float32 weights every step) made batch 4 and 8 slower than the kernels (36 vs 20 and
+# 37 ms) and won from 16 rows (38 vs 68 ms); a 512-token prefill takes 0.18 s instead of 2.1 s.
+DENSE_ROWS = 16
+
+
+def cpu_quantized_prefill(model) -> int:
+    """On CPU, quantized layers keep their packed weights (the memory saving) but multiply
+    prompts, and decode batches past the crossover, through a transient dequantized copy: the
+    same function (dequantize is what the kernel computes), at BLAS speed. Returns how many
+    layers were switched. Metal's kernels need none of this."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class _Linear(nn.QuantizedLinear):
+        def __call__(self, x):
+            if x.size // x.shape[-1] >= self._dense_rows:
+                w = mx.dequantize(self["weight"], self["scales"], self.get("biases"),
+                                  group_size=self.group_size, bits=self.bits, mode=self.mode)
+                x = mx.matmul(x, w.T)
+                return x + self["bias"] if "bias" in self else x
+            return super().__call__(x)
+
+    class _Embedding(nn.QuantizedEmbedding):
+        def as_linear(self, x):  # a tied output head
+            if x.size // x.shape[-1] >= self._dense_rows:
+                w = mx.dequantize(self["weight"], self["scales"], self.get("biases"),
+                                  group_size=self.group_size, bits=self.bits, mode=self.mode)
+                return mx.matmul(x, w.T)
+            return super().as_linear(x)
+
+    switched = 0
+    for _, module in model.named_modules():
+        kind = {nn.QuantizedLinear: _Linear, nn.QuantizedEmbedding: _Embedding}.get(type(module))
+        if kind is None:  # sharded or other quantized layers keep their own kernels
+            continue
+        module.__class__ = kind
+        module._dense_rows = DENSE_ROWS
+        switched += 1
+    return switched
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,

@@ -108,7 +108,8 @@ def follow(settings: Settings, group) -> int:
     resolved = resolve(s.model.source, s.model.revision, s.model.hub_cache_dir or None,
                        s.model.allow_download)
     variant = ensure_shared_variant(s, resolved, log.info, group)
-    lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=group)
+    lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=group,
+              cpu_quantized=s.generation.cpu_quantized)
     text_cfg = lm.config.get("text_config", lm.config)
     grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
                             sorted(lm.tokenizer.eos_token_ids))
@@ -138,7 +139,8 @@ def start_loading(state: ServerState) -> threading.Thread:
 
             variant = ensure_shared_variant(s, resolved, progress, state.group)
             state.status, state.detail = "loading", f"loading {variant.path}"
-            lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group)
+            lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group,
+                      cpu_quantized=s.generation.cpu_quantized)
             text_cfg = lm.config.get("text_config", lm.config)
             state.context_length = int(text_cfg.get("max_position_embeddings", 4096))
             state.served_id = served_name(s, resolved)
@@ -175,6 +177,11 @@ def _weights_bytes(folder) -> int:
     from pathlib import Path
 
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _engine_busy(state: ServerState) -> bool:
+    engine = state.engine
+    return engine is not None and (engine.stats.running > 0 or engine.stats.waiting > 0)
 
 
 def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorker | None:
@@ -218,7 +225,9 @@ def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorke
     name = state.provenance.get("recipe", "served")
     worker = FidelityWorker(lm.model, reference, state.metrics, str(name),
                             sample_rate=f.sample_rate, max_per_minute=f.max_per_minute,
-                            queue_size=f.queue_size, max_tokens=f.max_tokens, keep=f.keep)
+                            queue_size=f.queue_size, max_tokens=f.max_tokens, keep=f.keep,
+                            busy=lambda: _engine_busy(state), busy_share=f.busy_share,
+                            chunk=f.chunk_tokens)
     worker.disabled = disabled
     if disabled:
         log.warning("fidelity spot checks disabled: %s", disabled)

@@ -33,8 +33,8 @@ class ModelSettings(_Section):
 
 class QuantSettings(_Section):
     recipe: Literal["bf16", "uniform-4", "uniform-3", "unsloth-static", "mixbit-auto"] = Field(
-        "bf16", description="bf16 serves the checkpoint unquantized; the others quantize at first "
-        "start and cache the result (see quant/README.md)")
+        "mixbit-auto", description="mixbit-auto (default) and the others quantize at first start "
+        "and cache the result (see quant/README.md); bf16 serves the checkpoint unquantized")
     target_bpw: float = Field(4.5, ge=2.5, le=16.0, description="mixbit-auto's budget in bits per weight")
     calibration: str = Field("", description="JSONL file of extra calibration chats; \"self\": the "
                              "model's own completions of the built-in prompts; empty: built-in")
@@ -66,6 +66,10 @@ class ServerSettings(_Section):
 class GenerationSettings(_Section):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, the checkpoint's dtype on GPU")
+    cpu_quantized: Literal["auto", "dense", "packed"] = Field(
+        "auto", description="how a quantized model runs on CPU: dense (dequantized once at load), "
+        "packed (prompts through a transient dequantized weight), auto: dense when it takes at "
+        "most a quarter of physical memory")
     max_tokens: int = Field(512, ge=1, description="default when a request names none")
     temperature: float = Field(0.7, ge=0.0, le=2.0)
     top_p: float = Field(0.8, gt=0.0, le=1.0)
@@ -87,6 +91,11 @@ class FidelitySettings(_Section):
                                      "reference; 0: no limit")
     top_k: int = Field(64, ge=1, le=1024, description="log-probs per position from a remote reference")
     max_tokens: int = Field(256, ge=1, description="generated tokens scored per check")
+    busy_share: float = Field(0.05, ge=0.0, le=1.0, description="largest share of wall time the "
+                              "checks may compute while requests are being served (idle time is "
+                              "used fully); 0: only when idle")
+    chunk_tokens: int = Field(128, ge=8, description="tokens per forward slice of a check; the "
+                              "worker can yield to serving between slices")
     keep: int = Field(200, ge=1, description="recent checks shown by /v1/fidelity")
 
 

@@ -1,0 +1,83 @@
+"""How a quantized model runs on CPU (models/loading.py `cpu_quantized`): dequantized once at
+load ("dense"), or packed with prompts multiplied through a transient dequantized weight and
+single decode rows through MLX's quantized kernel ("packed"). Every path must compute the same
+function as the quantized kernels."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mixbit.models.loading import load
+from mixbit.models.registry import resolve
+
+
+@pytest.fixture(scope="module")
+def u4_folder(tmp_path_factory):
+    from mlx_lm import convert
+
+    out = tmp_path_factory.mktemp("u4") / "tiny-u4"
+    convert(str(resolve("embedded:tiny-qwen3.5").path), mlx_path=str(out), quantize=True,
+            q_bits=4, q_group_size=64)
+    return out
+
+
+@pytest.fixture(scope="module")
+def uniform4(u4_folder):
+    return load(resolve("embedded:tiny-qwen3.5"), path=u4_folder, cpu_quantized="packed")
+
+
+def _prompt(lm):
+    return mx.array([lm.tokenizer.encode("The weather in Oslo is cold; call get_weather. " * 8)])
+
+
+def _set_rows(model, rows: int | None) -> int:
+    n = 0
+    for _, m in model.named_modules():
+        if hasattr(m, "_dense_rows"):
+            m._dense_rows = rows
+            n += 1
+    return n
+
+
+def test_every_quantized_layer_takes_the_cpu_path(uniform4):
+    import mlx.nn as nn
+
+    quantized = [m for _, m in uniform4.model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert quantized and all(hasattr(m, "_dense_rows") for m in quantized)
+
+
+def test_dense_prefill_equals_the_quantized_kernels(uniform4):
+    model = uniform4.model
+    ids = _prompt(uniform4)
+    try:
+        _set_rows(model, 1)  # every call through the dequantized weight
+        dense = model(ids)
+        _set_rows(model, 1 << 30)  # every call through quantized_matmul
+        kernel = model(ids)
+        mx.eval(dense, kernel)
+    finally:
+        _set_rows(model, 16)
+    assert ids.shape[1] > 64
+    scale = float(mx.abs(kernel).max().item())
+    assert float(mx.abs(dense - kernel).max().item()) < 1e-5 * max(scale, 1.0) * 10
+    assert bool(mx.all(dense.argmax(-1) == kernel.argmax(-1)).item())
+
+
+def test_auto_dequantizes_a_small_model_at_load_to_the_same_function(uniform4, u4_folder):
+    import mlx.nn as nn
+
+    dense = load(resolve("embedded:tiny-qwen3.5"), path=u4_folder)  # auto: 25 MB dense here
+    layers = [m for _, m in dense.model.named_modules()]
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in layers)
+    ids = _prompt(dense)
+    _set_rows(uniform4.model, 1 << 30)  # the packed model through quantized_matmul only
+    try:
+        kernel = uniform4.model(ids)
+    finally:
+        _set_rows(uniform4.model, 16)
+    got = dense.model(ids)
+    scale = float(mx.abs(kernel).max().item())
+    assert float(mx.abs(got - kernel).max().item()) < 1e-4 * max(scale, 1.0)
+    assert bool(mx.all(got.argmax(-1) == kernel.argmax(-1)).item())
