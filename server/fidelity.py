@@ -68,18 +68,53 @@ def forward_logprobs(model, ids: list[int], start: int) -> mx.array:
     return log_softmax(logits)
 
 
+def chunked_logprobs(model, ids: list[int], start: int, chunk: int,
+                     pause: Callable[[], None] = lambda: None):
+    """The rows of `forward_logprobs`, computed `chunk` tokens at a time with a prompt cache and
+    yielded as (first row, log-probs) so that memory stays at one chunk of vocabulary rows;
+    `pause()` runs between chunks (the worker yields to serving there). Prompt chunks are
+    evaluated through the cache state only, so the head never runs on prompt positions."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    inputs = ids[:-1]
+    pos = 0
+    while pos < len(inputs):
+        end = min(pos + chunk, len(inputs))
+        logits = model(mx.array([inputs[pos:end]]), cache=cache)[0]
+        first = max(start - 1, pos)
+        if first < end:
+            lp = log_softmax(logits[first - pos:])
+            mx.eval(lp, [c.state for c in cache])
+            yield first - (start - 1), lp
+        else:
+            mx.eval([c.state for c in cache])
+        pos = end
+        if pos < len(inputs):
+            pause()
+
+
 def compare(ref_lp: mx.array, served_lp: mx.array, tokens: list[int]) -> dict:
     """Exact comparison of full distributions at each generated position."""
+    return _summary(*_compare_rows(ref_lp, served_lp), tokens)
+
+
+def _compare_rows(ref_lp: mx.array, served_lp: mx.array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p = mx.exp(ref_lp)
     kld = mx.sum(p * (ref_lp - served_lp), axis=-1)
     ref_top = mx.argmax(ref_lp, axis=-1)
     served_top = mx.argmax(served_lp, axis=-1)
     mx.eval(kld, ref_top, served_top)
-    return _summary(np.maximum(np.array(kld), 0.0), np.array(ref_top), np.array(served_top), tokens)
+    return np.maximum(np.array(kld), 0.0), np.array(ref_top), np.array(served_top)
 
 
 def compare_topk(ref_top: list[list[tuple[int, float]]], served_lp: mx.array, tokens: list[int]) -> dict:
     """KL over the reference's top-k tokens plus one bucket for the rest."""
+    return _summary(*_topk_rows(ref_top, served_lp), tokens)
+
+
+def _topk_rows(ref_top: list[list[tuple[int, float]]], served_lp: mx.array
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     served = np.array(served_lp)
     klds, ref_first = [], []
     for i, row in enumerate(ref_top):
@@ -92,7 +127,7 @@ def compare_topk(ref_top: list[list[tuple[int, float]]], served_lp: mx.array, to
         kl += p_tail * (np.log(p_tail) - np.log(q_tail))
         klds.append(max(kl, 0.0))
         ref_first.append(int(ids[0]))
-    return _summary(np.array(klds), np.array(ref_first), np.argmax(served, axis=-1), tokens)
+    return np.array(klds), np.array(ref_first, dtype=np.int64), np.argmax(served, axis=-1)
 
 
 def _summary(kld: np.ndarray, ref_top: np.ndarray, served_top: np.ndarray, tokens: list[int]) -> dict:
@@ -114,13 +149,13 @@ class LocalReference:
         self.model = None
         self._lock = threading.Lock()
 
-    def logprobs(self, ids: list[int], start: int):
+    def get(self):
         with self._lock:
             if self.model is None:
                 started = time.time()
                 self.model = self._loader()
                 log.info("fidelity reference %s loaded in %.1fs", self.describe, time.time() - started)
-        return forward_logprobs(self.model, ids, start)
+        return self.model
 
 
 class RemoteReference:
@@ -143,8 +178,15 @@ class RemoteReference:
 
 
 class FidelityWorker:
+    """Runs the checks in a background thread that yields to serving: while the engine has
+    sequences to decode (`busy()`), the worker's compute is held to `busy_share` of wall time,
+    in slices of `chunk` tokens; when the engine is idle the checks run at full speed. Checks
+    that cannot keep up wait in the bounded queue, and beyond it are dropped and counted."""
+
     def __init__(self, served_model, reference, metrics, variant: str, *, sample_rate: float,
-                 max_per_minute: int, queue_size: int, max_tokens: int, keep: int, seed: int = 0):
+                 max_per_minute: int, queue_size: int, max_tokens: int, keep: int, seed: int = 0,
+                 busy: Callable[[], bool] = lambda: False, busy_share: float = 0.05,
+                 chunk: int = 128):
         self.served_model = served_model
         self.reference = reference
         self.metrics = metrics
@@ -152,11 +194,18 @@ class FidelityWorker:
         self.sample_rate = sample_rate
         self.max_per_minute = max_per_minute
         self.max_tokens = max_tokens
+        self.busy = busy
+        self.busy_share = busy_share
+        self.chunk = chunk
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.recent: collections.deque[Check] = collections.deque(maxlen=keep)
         self._rng = random.Random(seed)
         self._window: collections.deque[float] = collections.deque()
         self._lock = threading.Lock()
+        self._slice_start = time.perf_counter()
+        self._paused = 0.0
+        self._closed = threading.Event()
+        self.checking = False  # a check is in progress (resting or computing)
         self.disabled: str | None = None
         self._thread = threading.Thread(target=self._run, name="mixbit-fidelity", daemon=True)
 
@@ -164,6 +213,7 @@ class FidelityWorker:
         self._thread.start()
 
     def close(self) -> None:
+        self._closed.set()
         try:
             self.queue.put_nowait(None)
         except queue.Full:
@@ -200,24 +250,50 @@ class FidelityWorker:
                 job = self.queue.get()
                 if job is None:
                     return
+                self.checking = True
                 try:
                     self._check(job)
                 except Exception as exc:  # noqa: BLE001 - a failed check must not stop the worker
                     log.warning("fidelity check failed: %s", exc)
                     self.metrics.fid_dropped.labels("error").inc()
+                finally:
+                    self.checking = False
+
+    def _yield(self) -> None:
+        """Between slices: while serving is busy, rest long enough that this slice's compute is at
+        most `busy_share` of the time since it began; resume as soon as serving goes idle."""
+        now = time.perf_counter()
+        worked = now - self._slice_start
+        share = self.busy_share
+        rest = float("inf") if share <= 0 else worked * (1.0 - share) / share
+        waited = 0.0
+        while waited < rest and self.busy() and not self._closed.is_set():
+            step = min(0.01, rest - waited)
+            time.sleep(step)
+            waited += step
+        self._paused += time.perf_counter() - now
+        self._slice_start = time.perf_counter()
 
     def _check(self, job: Job) -> None:
-        started = time.time()
+        started = time.perf_counter()
+        self._paused = 0.0
+        self._slice_start = started
         tokens = job.tokens[: self.max_tokens]
         ids = job.prompt + tokens
         start = len(job.prompt)
-        served = forward_logprobs(self.served_model, ids, start)
+        served = chunked_logprobs(self.served_model, ids, start, self.chunk, self._yield)
         if isinstance(self.reference, RemoteReference):
-            summary = compare_topk(self.reference.top(ids, start), served, tokens)
+            top = self.reference.top(ids, start)  # the reference's compute is elsewhere
+            parts = [_topk_rows(top[i:i + lp.shape[0]], lp) for i, lp in served]
         else:
-            summary = compare(self.reference.logprobs(ids, start), served, tokens)
+            ref = chunked_logprobs(self.reference.get(), ids, start, self.chunk, self._yield)
+            parts = [_compare_rows(r, s) for (_, r), (_, s) in zip(ref, served)]
+        kld, ref_top, served_top = (np.concatenate(x) for x in zip(*parts))
+        summary = _summary(kld, ref_top, served_top, tokens)
+        self._yield()  # the last slice's rest, before the next check starts
+        compute = time.perf_counter() - started - self._paused
         check = Check(request_id=job.request_id, kind=job.kind, variant=self.variant,
-                      seconds=round(time.time() - started, 4), at=time.time(), **summary)
+                      seconds=round(compute, 4), at=time.time(), **summary)
         self.recent.append(check)
         m, labels = self.metrics, (self.variant, job.kind)
         m.fid_checks.labels(*labels).inc()
@@ -233,7 +309,8 @@ class FidelityWorker:
         checks = list(self.recent)[-limit:][::-1]
         return {"variant": self.variant, "reference": self.reference.describe,
                 "sample_rate": self.sample_rate, "max_per_minute": self.max_per_minute,
-                "queue_depth": self.queue.qsize(), "disabled": self.disabled,
+                "queue_depth": self.queue.qsize(), "checking": self.checking,
+                "busy_share": self.busy_share, "disabled": self.disabled,
                 "checks": [asdict(c) for c in checks]}
 
 

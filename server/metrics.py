@@ -116,7 +116,8 @@ class Metrics:
                                    ["variant", "kind"], buckets=POSITION, registry=r)
         self.fid_dropped = Counter("mixbit_fidelity_dropped", "Spot checks not run, by reason",
                                    ["reason"], registry=r)
-        self.fid_seconds = Histogram("mixbit_fidelity_check_seconds", "Time to run one spot check",
+        self.fid_seconds = Histogram("mixbit_fidelity_check_seconds",
+                                     "Compute time of one spot check (rests while serving excluded)",
                                      buckets=LATENCY, registry=r)
         r.register(_EngineCollector(state))
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import ROOT, Server, free_port  # noqa: E402
 
 MODEL = "tiny-qwen3.5"
+DUMP = False
 CACHE = Path("~/.cache/mixbit").expanduser()  # the default cache: reuses what `mixbit eval --variants` built
 
 
@@ -51,7 +52,7 @@ def damaged_variant(pattern: str = "linear_attn.out_proj") -> Path:
         from mlx_lm.utils import load_tokenizer
 
         rows = calib.build(load_tokenizer(resolved.path), n_rows=4, length=64, split="heldout").rows
-        artifact.write_variant(resolved.path, dst, plan, {**manifest, "recipe": "damaged-out_proj-2bit"},
+        artifact.write_variant(resolved.path, dst, plan, {**manifest, "recipe": f"damaged-{pattern}-2bit"},
                                fidelity_rows=rows)
     return dst
 
@@ -103,6 +104,8 @@ def fidelity_summary(url: str, expect: int) -> dict:
             break
         time.sleep(1)
     checks = view["checks"]
+    if DUMP:
+        (ROOT / ".cache" / f"fidelity-checks-{int(time.time() * 1000)}.json").write_text(json.dumps(view))
     tokens = sum(c["tokens"] for c in checks)
     return {"checks": len(checks), "kld": statistics.mean(c["kld_mean"] for c in checks),
             "top1": sum(c["top1_agreement"] * c["tokens"] for c in checks) / tokens,
@@ -110,55 +113,100 @@ def fidelity_summary(url: str, expect: int) -> dict:
             "seconds": statistics.mean(c["seconds"] for c in checks)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--skip-overhead", action="store_true")
-    ap.add_argument("--damage", default="linear_attn.out_proj",
-                    help="tensors (path substring) the damaged variant has at 2 bits")
-    args = ap.parse_args()
-    CACHE.mkdir(parents=True, exist_ok=True)
-    bodies = requests(args.requests)
-    damaged = damaged_variant(args.damage)
+def wait_idle(url: str, timeout: float = 900) -> None:
+    """Until the server's spot-check worker has nothing queued or in progress."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        view = httpx.get(url + "/v1/fidelity?limit=1").json()
+        if not view.get("enabled") or (view["queue_depth"] == 0 and not view["checking"]):
+            return
+        time.sleep(0.5)
+
+
+def dropped(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mixbit_fidelity_dropped_total"))
+
+
+def separation(bodies: list[dict], damages: list[str], concurrency: int) -> None:
     rows = {}
-    for name, extra in [("mixbit-auto", ["--recipe", "mixbit-auto"]),
-                        (f"damaged ({args.damage} 2-bit)", ["--model", str(damaged),
-                                                      "--set", "fidelity.reference='embedded:tiny-qwen3.5'",
-                                                      "--set", f"model.served_name='{MODEL}'"])]:
-        s = serve(name.split()[0], *extra, "--set", "fidelity.sample_rate=1.0",
+    servers = [("mixbit-auto", ["--recipe", "mixbit-auto"])]
+    for d in damages:
+        servers.append((f"damaged: {d} at 2 bits", [
+            "--model", str(damaged_variant(d)), "--set", "fidelity.reference='embedded:tiny-qwen3.5'",
+            "--set", f"model.served_name='{MODEL}'"]))
+    for name, extra in servers:
+        s = serve(name.split()[0].rstrip(":"), *extra, "--set", "fidelity.sample_rate=1.0",
                   "--set", "fidelity.max_per_minute=100000", "--set", "fidelity.queue_size=1024")
         try:
-            asyncio.run(drive(s.url, bodies, args.concurrency))
+            asyncio.run(drive(s.url, bodies, concurrency))
             rows[name] = fidelity_summary(s.url, len(bodies))
         finally:
             s.stop()
     print("\n| variant | checks | mean KLD (nats/token) | top-1 agreement | flip rate | s per check |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['checks']} | {r['kld']:.4f} | {r['top1']:.3f} | {r['flips']:.3f} | {r['seconds']:.2f} |")
-    good, bad = rows["mixbit-auto"], rows[f"damaged ({args.damage} 2-bit)"]
-    print(f"\ndamaged / mixbit-auto: KLD x{bad['kld'] / max(good['kld'], 1e-12):.1f}, "
-          f"flip rate x{bad['flips'] / max(good['flips'], 1e-12):.1f}")
-    if args.skip_overhead:
-        return 0
-    rates: dict[str, float] = {}
-    for label, sets in [("fidelity off", ["fidelity.enabled=false"]),
-                        ("10% spot-checked", ["fidelity.sample_rate=0.1"])]:
-        flags = [x for s_ in sets for x in ("--set", s_)]
-        s = serve(label.split()[0], "--recipe", "mixbit-auto", *flags)
-        try:
-            asyncio.run(drive(s.url, bodies[:8], args.concurrency))  # warm-up
-            best = 0.0
-            for _ in range(2):
-                seconds, tokens = asyncio.run(drive(s.url, bodies * 2, args.concurrency))
-                best = max(best, tokens / seconds)
-            rates[label] = best
-        finally:
-            s.stop()
-    off, on = rates["fidelity off"], rates["10% spot-checked"]
-    print(f"\naggregate output tokens/s at concurrency {args.concurrency}: fidelity off {off:.1f}, "
-          f"10% spot-checked {on:.1f} ({(on / off - 1) * 100:+.1f}%)")
+        print(f"| {name} | {r['checks']} | {r['kld']:.4f} | {r['top1']:.3f} | {r['flips']:.4f} | {r['seconds']:.2f} |")
+    good = rows["mixbit-auto"]
+    for name, bad in list(rows.items())[1:]:
+        print(f"{name} / mixbit-auto: KLD x{bad['kld'] / max(good['kld'], 1e-12):.1f}, "
+              f"flip rate x{bad['flips'] / max(good['flips'], 1e-12):.1f}")
+
+
+def overhead(bodies: list[dict], concurrency: int, rounds: int) -> None:
+    """Both servers up; rounds alternate between them so that drift in the machine's load hits
+    both alike; before every round the spot-checked server finishes its queued checks, so the
+    other one is measured without them."""
+    off = serve("fidelity-off", "--recipe", "mixbit-auto", "--set", "fidelity.enabled=false")
+    on = serve("fidelity-10pct", "--recipe", "mixbit-auto", "--set", "fidelity.sample_rate=0.1")
+    rates: dict[str, list[float]] = {"fidelity off": [], "10% spot-checked": []}
+    try:
+        for s in (off, on):
+            asyncio.run(drive(s.url, bodies[:8], concurrency))  # warm-up
+        wait_idle(on.url)
+        for _ in range(rounds):
+            for label, s in (("fidelity off", off), ("10% spot-checked", on)):
+                wait_idle(on.url)
+                seconds, tokens = asyncio.run(drive(s.url, bodies * 2, concurrency))
+                rates[label].append(tokens / seconds)
+        wait_idle(on.url)
+        view = httpx.get(on.url + "/v1/fidelity?limit=1000").json()
+        checks, drops = len(view["checks"]), dropped(on.url)
+    finally:
+        off.stop()
+        on.stop()
+    print(f"\naggregate output tokens/s at concurrency {concurrency}, {rounds} alternating rounds "
+          f"of {len(bodies) * 2} requests:")
+    print("| server | rounds (tok/s) | median | best |")
+    print("|---|---|---|---|")
+    for label, r in rates.items():
+        print(f"| {label} | {', '.join(f'{x:.1f}' for x in r)} | {statistics.median(r):.1f} | {max(r):.1f} |")
+    a, b = statistics.median(rates["fidelity off"]), statistics.median(rates["10% spot-checked"])
+    print(f"10% spot-checked vs off: {(b / a - 1) * 100:+.1f}% (median), "
+          f"{(max(rates['10% spot-checked']) / max(rates['fidelity off']) - 1) * 100:+.1f}% (best); "
+          f"checks done {checks}, dropped {drops:.0f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the overhead run")
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-separation", action="store_true")
+    ap.add_argument("--damage", default="linear_attn.out_proj",
+                    help="comma-separated: tensors (path substring) a damaged variant has at 2 bits")
+    ap.add_argument("--dump", action="store_true", help="write every server's checks to .cache/")
+    args = ap.parse_args()
+    global DUMP
+    DUMP = args.dump
+    CACHE.mkdir(parents=True, exist_ok=True)
+    bodies = requests(args.requests)
+    if not args.skip_separation:
+        separation(bodies, [d for d in args.damage.split(",") if d], args.concurrency)
+    if not args.skip_overhead:
+        overhead(bodies, args.concurrency, args.rounds)
     return 0
 
 
