@@ -21,13 +21,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *settings: str, env: dict | None = None, recipe: str = "bf16",
+    def __init__(self, *settings: str, env: dict | None = None, recipe: str | None = "bf16",
                  cache_dir: str | None = None):
-        """`recipe` bf16 keeps start-up fast for API tests; quantized start-ups have their own."""
+        """`recipe` bf16 keeps start-up fast for API tests; quantized start-ups have their own;
+        None: the configured default (config.toml), as `make serve` runs it."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "mixbit.server.cli", "serve", "--port", str(self.port)]
-        args += ["--recipe", recipe]
+        if recipe is not None:
+            args += ["--recipe", recipe]
         if cache_dir:
             args += ["--set", f"model.cache_dir='{cache_dir}'"]
         for s in settings:

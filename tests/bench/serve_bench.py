@@ -150,7 +150,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--only", choices=["mixbit", "mlx_lm"], help="run one server only")
+    ap.add_argument("--only", choices=["mixbit", "mixbit-bf16", "mlx_lm"], help="run one server only")
+    ap.add_argument("--servers", default="mixbit,mlx_lm",
+                    help="comma-separated: mixbit (the configured recipe), mixbit-bf16, mlx_lm")
     args = ap.parse_args()
     (ROOT / ".cache").mkdir(exist_ok=True)
 
@@ -161,13 +163,18 @@ def main() -> int:
     raw = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     bias = {str(raw.token_to_id(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")}
     levels = [int(c) for c in args.concurrency.split(",")]
-    servers = {
-        "mixbit": lambda p: Server("mixbit", [sys.executable, "-m", "mixbit.server.cli", "serve", "--model",
-                                              args.model, "--port", str(p), "--set", "server.log_level='warning'",
-                                              "--set", "server.max_concurrent_sequences=16"], p),
+    def mixbit(name: str, *extra: str):
+        return lambda p: Server(name, [sys.executable, "-m", "mixbit.server.cli", "serve", "--model",
+                                       args.model, "--port", str(p), "--set", "server.log_level='warning'",
+                                       "--set", "server.max_concurrent_sequences=16", *extra], p)
+
+    every = {
+        "mixbit": mixbit("mixbit"),  # what `make serve` serves: the configured recipe
+        "mixbit-bf16": mixbit("mixbit-bf16", "--recipe", "bf16"),
         "mlx_lm": lambda p: Server("mlx_lm", [sys.executable, "-m", "mlx_lm.server", "--model", args.model,
                                               "--port", str(p), "--log-level", "WARNING"], p),
     }
+    servers = {n: every[n] for n in args.servers.split(",")}
     results: dict[str, dict] = {}
     for name, make in servers.items():
         if args.only and name != args.only:
@@ -175,11 +182,11 @@ def main() -> int:
         port = free_port()
         server = make(port)
         try:
-            server.wait("/ready" if name == "mixbit" else "/health")
+            server.wait("/ready" if name != "mlx_lm" else "/health", timeout=900)
             # mlx_lm.server's /v1/models lists the Hugging Face cache, not what it serves (and
             # fails without one); it answers to the path it was started with.
             model_id = (httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-                        if name == "mixbit" else args.model)
+                        if name != "mlx_lm" else args.model)
             warm = make_prompts(tokenizer, 2, seed=99)
             asyncio.run(load_test(server.url, model_id, warm, 2, 8, bias))
             res = {}
@@ -191,7 +198,7 @@ def main() -> int:
                     res[c] = {"failed": f"{type(exc).__name__}"}
                     server.stop()
                     server = make(free_port())
-                    server.wait("/ready" if name == "mixbit" else "/health")
+                    server.wait("/ready" if name != "mlx_lm" else "/health", timeout=900)
                 print(f"{name} c={c}: {res[c]}", file=sys.stderr)
             try:
                 res["turns"] = asyncio.run(multi_turn(server.url, model_id, tokenizer, args.turns, bias))
