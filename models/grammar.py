@@ -263,6 +263,29 @@ class GrammarProcessor:
         return masked.reshape(logits.shape)
 
 
+class GrammarReplay:
+    """The masks a finished sequence decoded under, position by position: what the grammar
+    allowed before each generated token (the fidelity worker compares distributions over those).
+    After a token the grammar refused (or after it ended), positions are unconstrained."""
+
+    def __init__(self, compiled: CompiledGrammar):
+        self.matcher = compiled.prototype.deep_copy()
+        self.alive = True
+
+    def rows(self, tokens: list[int], width: int) -> mx.array:
+        """Allowed-token masks [len(tokens), width] (bool), consuming `tokens` as it goes."""
+        out = []
+        for token in tokens:
+            if self.alive and not self.matcher.is_stopped():
+                words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+                bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:width].astype(bool)
+                self.alive = self.matcher.consume_token(token)
+            else:
+                bits = np.ones(width, dtype=bool)
+            out.append(bits)
+        return mx.array(np.stack(out)) if out else mx.zeros((0, width), dtype=mx.bool_)
+
+
 def chat_grammar(tools: list[dict] | None, tool_choice, parallel: bool,
                  response_format: dict | None, thinking: bool, fmt: str,
                  names_under_auto: bool = False) -> str | None:

@@ -6,7 +6,9 @@ drop counted, never waited for. A worker thread teacher-forces the same prompt a
 tokens through the served model and through the reference, and compares, at every generated
 position, the two next-token distributions: KL(reference || served), whether their top-1 agree,
 whether the served token was the reference's top-1 ("flip" when not), and where they first
-disagree.
+disagree. A request decoded under a grammar (JSON, tool calls) is compared over what the grammar
+allowed at each position (its masks replayed over the generated tokens): a token the grammar
+forced is the choice any model would have made there, not a flip.
 
 The reference is the unquantized checkpoint the variant was made from, loaded lazily in this
 process within a memory budget, or another mixbit instance serving bf16 (`fidelity.reference =
@@ -29,6 +31,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from mixbit.models.grammar import GrammarReplay
+
 log = logging.getLogger("mixbit.fidelity")
 
 
@@ -39,6 +43,7 @@ class Job:
     tokens: list[int]  # generated, as sampled (an end-of-turn token included)
     request_id: str
     queued_at: float = field(default_factory=time.time)
+    grammar: Any = None  # the CompiledGrammar the request decoded under, if any
 
 
 @dataclass
@@ -99,9 +104,22 @@ def compare(ref_lp: mx.array, served_lp: mx.array, tokens: list[int]) -> dict:
     return _summary(*_compare_rows(ref_lp, served_lp), tokens)
 
 
-def _compare_rows(ref_lp: mx.array, served_lp: mx.array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def restrict(lp: mx.array, allowed: mx.array | None) -> mx.array:
+    """Log-probabilities renormalized over the tokens a grammar allowed (-inf elsewhere): what
+    the constrained decoder actually sampled from."""
+    if allowed is None:
+        return lp
+    return log_softmax(mx.where(allowed, lp, mx.array(-mx.inf, dtype=lp.dtype)))
+
+
+def _compare_rows(ref_lp: mx.array, served_lp: mx.array, allowed: mx.array | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ref_lp, served_lp = restrict(ref_lp, allowed), restrict(served_lp, allowed)
     p = mx.exp(ref_lp)
-    kld = mx.sum(p * (ref_lp - served_lp), axis=-1)
+    terms = p * (ref_lp - served_lp)
+    if allowed is not None:  # 0 * (-inf - -inf) outside what the grammar allowed
+        terms = mx.where(allowed, terms, 0.0)
+    kld = mx.sum(terms, axis=-1)
     ref_top = mx.argmax(ref_lp, axis=-1)
     served_top = mx.argmax(served_lp, axis=-1)
     mx.eval(kld, ref_top, served_top)
@@ -113,13 +131,21 @@ def compare_topk(ref_top: list[list[tuple[int, float]]], served_lp: mx.array, to
     return _summary(*_topk_rows(ref_top, served_lp), tokens)
 
 
-def _topk_rows(ref_top: list[list[tuple[int, float]]], served_lp: mx.array
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    served = np.array(served_lp)
+def _topk_rows(ref_top: list[list[tuple[int, float]]], served_lp: mx.array,
+               allowed: mx.array | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Under a grammar, the reference's top-k is cut to the allowed tokens and renormalized
+    over them (allowed mass outside its top-k is taken as negligible)."""
+    served = np.array(restrict(served_lp, allowed))
+    ok = np.array(allowed) if allowed is not None else None
     klds, ref_first = [], []
     for i, row in enumerate(ref_top):
         ids = np.array([t for t, _ in row], dtype=np.int64)
         lp = np.array([v for _, v in row], dtype=np.float64)
+        if ok is not None:
+            keep = ok[i, ids]
+            if keep.any():
+                ids, lp = ids[keep], lp[keep]
+                lp = lp - np.logaddexp.reduce(lp)
         p = np.exp(lp)
         q_lp = served[i, ids].astype(np.float64)
         kl = float(np.sum(p * (lp - q_lp)))
@@ -185,7 +211,7 @@ class FidelityWorker:
 
     def __init__(self, served_model, reference, metrics, variant: str, *, sample_rate: float,
                  max_per_minute: int, queue_size: int, max_tokens: int, keep: int, seed: int = 0,
-                 busy: Callable[[], bool] = lambda: False, busy_share: float = 0.05,
+                 busy: Callable[[], bool] = lambda: False, busy_share: float = 0.02,
                  chunk: int = 128):
         self.served_model = served_model
         self.reference = reference
@@ -282,12 +308,18 @@ class FidelityWorker:
         ids = job.prompt + tokens
         start = len(job.prompt)
         served = chunked_logprobs(self.served_model, ids, start, self.chunk, self._yield)
+        # under a grammar both distributions are compared over what it allowed at each position
+        replay = GrammarReplay(job.grammar) if job.grammar is not None else None
+
+        def allowed(i: int, lp: mx.array):
+            return replay.rows(tokens[i:i + lp.shape[0]], lp.shape[-1]) if replay else None
+
         if isinstance(self.reference, RemoteReference):
             top = self.reference.top(ids, start)  # the reference's compute is elsewhere
-            parts = [_topk_rows(top[i:i + lp.shape[0]], lp) for i, lp in served]
+            parts = [_topk_rows(top[i:i + lp.shape[0]], lp, allowed(i, lp)) for i, lp in served]
         else:
             ref = chunked_logprobs(self.reference.get(), ids, start, self.chunk, self._yield)
-            parts = [_compare_rows(r, s) for (_, r), (_, s) in zip(ref, served)]
+            parts = [_compare_rows(r, s, allowed(i, s)) for (_, r), (i, s) in zip(ref, served)]
         kld, ref_top, served_top = (np.concatenate(x) for x in zip(*parts))
         summary = _summary(kld, ref_top, served_top, tokens)
         self._yield()  # the last slice's rest, before the next check starts

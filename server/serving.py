@@ -199,7 +199,7 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
                     if not ok:
                         m.constrained_invalid.labels("json").inc()
         if st.fidelity is not None and f.reason in ("stop", "length"):
-            st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid))
+            st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid, grammar=plan.grammar))
 
 
 def release(st: ServerState, choices: list[_Choice]) -> None:

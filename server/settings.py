@@ -91,7 +91,7 @@ class FidelitySettings(_Section):
                                      "reference; 0: no limit")
     top_k: int = Field(64, ge=1, le=1024, description="log-probs per position from a remote reference")
     max_tokens: int = Field(256, ge=1, description="generated tokens scored per check")
-    busy_share: float = Field(0.05, ge=0.0, le=1.0, description="largest share of wall time the "
+    busy_share: float = Field(0.02, ge=0.0, le=1.0, description="largest share of wall time the "
                               "checks may compute while requests are being served (idle time is "
                               "used fully); 0: only when idle")
     chunk_tokens: int = Field(128, ge=8, description="tokens per forward slice of a check; the "

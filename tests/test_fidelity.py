@@ -88,3 +88,39 @@ def test_worker_waits_while_serving_is_busy_and_runs_when_idle(loaded_tiny):
         assert w.recent and w.recent[-1].kind == "json"
     finally:
         w.close()
+
+
+def test_constrained_output_compared_over_what_the_grammar_allowed(loaded_tiny):
+    """A greedy answer decoded under a JSON grammar, checked against the same model: every token
+    was the top-1 of what the grammar allowed, so nothing flips and the distributions agree.
+    Compared unconstrained, forced tokens would count as flips (the model would rather talk)."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from mixbit.models.grammar import GrammarEngine, json_grammar
+    from mixbit.models.loading import render_chat
+
+    cfg = loaded_tiny.config.get("text_config", loaded_tiny.config)
+    engine = GrammarEngine(loaded_tiny.tokenizer._tokenizer, cfg["vocab_size"],
+                           sorted(loaded_tiny.tokenizer.eos_token_ids))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"]}
+    compiled = engine.compile(json_grammar(schema, strict=True, thinking=False))
+    prompt = render_chat(loaded_tiny.tokenizer, [{"role": "user", "content": "Hi, I am Anna. Tell me a joke."}])
+    ids = loaded_tiny.tokenizer.encode(prompt, add_special_tokens=False)
+    tokens = [r.token for r in stream_generate(loaded_tiny.model, loaded_tiny.tokenizer, ids, max_tokens=48,
+                                               sampler=make_sampler(temp=0.0),
+                                               logits_processors=[engine.processor(compiled)])]
+    unconstrained = compare(*(2 * [forward_logprobs(loaded_tiny.model, ids + tokens, len(ids))]), tokens)
+    assert unconstrained["flips"] > 0, "the prompt should make the grammar force tokens"
+    w = _worker(loaded_tiny)
+    try:
+        assert w.offer(Job(kind="json", prompt=ids, tokens=tokens, request_id="r3", grammar=compiled))
+        deadline = time.time() + 60
+        while not w.recent and time.time() < deadline:
+            time.sleep(0.05)
+        check = w.recent[-1]
+    finally:
+        w.close()
+    assert check.tokens == len(tokens) and check.flips == 0
+    assert check.top1_agreement == 1.0 and check.kld_mean < 1e-5

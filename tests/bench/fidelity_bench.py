@@ -1,14 +1,17 @@
 """Fidelity spot checks: do they separate a good variant from a damaged one, and what do they cost?
 
-    .venv/bin/python tests/bench/fidelity_bench.py [--requests 48] [--concurrency 8]
+    .venv/bin/python tests/bench/fidelity_bench.py --requests 96 --damage "linear_attn.out_proj,."
 
-1. Separation: the same traffic (tool calls, JSON answers, chat; greedy) against `mixbit-auto`
-   and against a deliberately damaged variant (mixbit-auto's plan with every
-   `linear_attn.out_proj` at 2 bits), every request spot-checked against bf16. Reported: mean
-   KL(bf16 || served), top-1 agreement and flip rate, from each server's /v1/fidelity.
-2. Overhead: mixbit-auto with fidelity off and with 10% of requests checked, same load at
-   concurrency 8, aggregate output tokens/s side by side (alternating, best of two each).
-"""
+1. Separation: the same greedy traffic (a third tool calls with tools offered, a third JSON
+   answers under `response_format: json_object`, a third chat) against `mixbit-auto` and against
+   deliberately damaged variants (mixbit-auto's plan with the tensors named by `--damage` at 2
+   bits; `.` is every tensor), every request spot-checked against the in-process bf16 reference.
+   Reported from each server's /v1/fidelity: mean KL(bf16 || served), top-1 agreement, flips.
+2. Overhead: two mixbit-auto servers, fidelity off and 10% of requests spot-checked (defaults
+   otherwise), the same load at concurrency 8 in alternating rounds (`--rounds`), aggregate
+   output tokens/s per round, median and best; before each round the spot-checked server
+   finishes its queued checks so they never land on the other server's round.
+""""""
 
 from __future__ import annotations
 
@@ -31,8 +34,8 @@ CACHE = Path("~/.cache/mixbit").expanduser()  # the default cache: reuses what `
 
 
 def damaged_variant(pattern: str = "linear_attn.out_proj") -> Path:
-    """mixbit-auto's plan with every tensor whose path contains `pattern` at 2 bits, written by
-    quant's own writer."""
+    """mixbit-auto's plan with every tensor whose path contains `pattern` (alternatives split by
+    `|`; `.` matches every tensor) at 2 bits, written by quant's own writer."""
     from mixbit.models.registry import resolve
     from mixbit.quant import artifact
     from mixbit.quant.formats import Format
@@ -44,9 +47,10 @@ def damaged_variant(pattern: str = "linear_attn.out_proj") -> Path:
     plan = {}
     for path, info in manifest["tensors"].items():
         bits = int(info.get("bits", 16))
-        plan[path] = Format(2, 64) if pattern in path else \
+        plan[path] = Format(2, 64) if any(p in path for p in pattern.split("|")) else \
             Format(bits, int(info.get("group_size") or 64))
-    dst = ROOT / ".cache" / f"damaged-{pattern.replace('.', '-')}-2bit-{auto.path.name}"
+    slug = pattern.replace(".", "-").replace("|", "+") if pattern != "." else "all"
+    dst = ROOT / ".cache" / f"damaged-{slug}-2bit-{auto.path.name}"
     if not dst.exists():
         from mixbit.quant import calibration as calib
         from mlx_lm.utils import load_tokenizer
@@ -67,7 +71,8 @@ def requests(n: int) -> list[dict]:
         if i % 3 == 0:
             body["tools"] = p.tools
         elif i % 3 == 1:
-            body["messages"] = [{"role": "user", "content": "JSON please: name Leo, age 40."}]
+            name = ["Leo", "Anna", "Mia", "Omar", "Ines", "Kai", "Sara", "Tom"][i % 8]
+            body["messages"] = [{"role": "user", "content": f"JSON please: name {name}, age {20 + 3 * i % 50}."}]
             body["response_format"] = {"type": "json_object"}
         out.append(body)
     return out
@@ -107,7 +112,8 @@ def fidelity_summary(url: str, expect: int) -> dict:
     if DUMP:
         (ROOT / ".cache" / f"fidelity-checks-{int(time.time() * 1000)}.json").write_text(json.dumps(view))
     tokens = sum(c["tokens"] for c in checks)
-    return {"checks": len(checks), "kld": statistics.mean(c["kld_mean"] for c in checks),
+    return {"checks": len(checks), "tokens": tokens, "flip_count": sum(c["flips"] for c in checks),
+            "kld": statistics.mean(c["kld_mean"] for c in checks),
             "top1": sum(c["top1_agreement"] * c["tokens"] for c in checks) / tokens,
             "flips": sum(c["flips"] for c in checks) / tokens,
             "seconds": statistics.mean(c["seconds"] for c in checks)}
@@ -144,10 +150,11 @@ def separation(bodies: list[dict], damages: list[str], concurrency: int) -> None
             rows[name] = fidelity_summary(s.url, len(bodies))
         finally:
             s.stop()
-    print("\n| variant | checks | mean KLD (nats/token) | top-1 agreement | flip rate | s per check |")
-    print("|---|---|---|---|---|---|")
+    print("\n| variant | checks | tokens | mean KLD (nats/token) | top-1 agreement | flips | flip rate | s per check |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['checks']} | {r['kld']:.4f} | {r['top1']:.3f} | {r['flips']:.4f} | {r['seconds']:.2f} |")
+        print(f"| {name} | {r['checks']} | {r['tokens']} | {r['kld']:.4f} | {r['top1']:.4f} | {r['flip_count']} | "
+              f"{r['flips']:.4f} | {r['seconds']:.2f} |")
     good = rows["mixbit-auto"]
     for name, bad in list(rows.items())[1:]:
         print(f"{name} / mixbit-auto: KLD x{bad['kld'] / max(good['kld'], 1e-12):.1f}, "
