@@ -47,20 +47,25 @@ def _worker(loaded, **kw) -> FidelityWorker:
     return w
 
 
+def _checked(loaded, job: Job):
+    """Offers `job` to a worker comparing the model with itself; the finished check."""
+    w = _worker(loaded)
+    try:
+        assert w.offer(job)
+        deadline = time.time() + 60
+        while not w.recent and time.time() < deadline:
+            time.sleep(0.05)
+        return w.recent[-1]
+    finally:
+        w.close()
+
+
 def test_model_against_itself_agrees_everywhere(loaded_tiny):
     ids, start = _ids(loaded_tiny)
     lp = forward_logprobs(loaded_tiny.model, ids, start)
     top = np.array(mx.argmax(lp, axis=-1))
     tokens = ids[start:]
-    w = _worker(loaded_tiny)
-    try:
-        assert w.offer(Job(kind="chat", prompt=ids[:start], tokens=tokens, request_id="r1"))
-        deadline = time.time() + 60
-        while not w.recent and time.time() < deadline:
-            time.sleep(0.05)
-        check = w.recent[-1]
-    finally:
-        w.close()
+    check = _checked(loaded_tiny, Job(kind="chat", prompt=ids[:start], tokens=tokens, request_id="r1"))
     assert check.tokens == len(tokens)
     assert check.kld_mean < 1e-5 and check.top1_agreement == 1.0 and check.first_divergence is None
     # a flip is a generated token that was not the reference's top-1: the text here is not the
@@ -113,14 +118,6 @@ def test_constrained_output_compared_over_what_the_grammar_allowed(loaded_tiny):
                                                logits_processors=[engine.processor(compiled)])]
     unconstrained = compare(*(2 * [forward_logprobs(loaded_tiny.model, ids + tokens, len(ids))]), tokens)
     assert unconstrained["flips"] > 0, "the prompt should make the grammar force tokens"
-    w = _worker(loaded_tiny)
-    try:
-        assert w.offer(Job(kind="json", prompt=ids, tokens=tokens, request_id="r3", grammar=compiled))
-        deadline = time.time() + 60
-        while not w.recent and time.time() < deadline:
-            time.sleep(0.05)
-        check = w.recent[-1]
-    finally:
-        w.close()
+    check = _checked(loaded_tiny, Job(kind="json", prompt=ids, tokens=tokens, request_id="r3", grammar=compiled))
     assert check.tokens == len(tokens) and check.flips == 0
     assert check.top1_agreement == 1.0 and check.kld_mean < 1e-5
