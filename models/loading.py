@@ -86,7 +86,7 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
         if dense_bytes and (cpu_quantized == "dense" or
                             (cpu_quantized == "auto" and dense_bytes <= _physical_memory() // 4)):
             _dequantize(model)
-            log.info("CPU: quantized layers dequantized once at load (%.1f MB dense float32; "
+            log.info("CPU: quantized layers dequantized once at load (about %.1f MB dense; "
                      "MLX's CPU quantized kernels are slow past one row)", dense_bytes / 1e6)
         elif dense_bytes:
             n = cpu_quantized_prefill(model)
@@ -98,13 +98,13 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
 
 
 def _dense_bytes(model) -> int:
-    """Float32 bytes the quantized layers would take dense (0: nothing is quantized)."""
+    """Bytes (float32) the quantized layers would take dense (0: nothing is quantized)."""
     import mlx.nn as nn
 
     total = 0
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            total += m["weight"].shape[0] * m["weight"].shape[1] * (32 // m.bits) * 4
+            total += m["weight"].shape[0] * m["weight"].shape[1] * 32 * 4 // m.bits
     return total
 
 
