@@ -134,21 +134,22 @@ def cpu_quantized_prefill(model) -> int:
     import mlx.core as mx
     import mlx.nn as nn
 
+    def dense_matmul(layer, x):  # what quantized_matmul computes, through BLAS
+        w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"),
+                          group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+        return mx.matmul(x, w.T)
+
     class _Linear(nn.QuantizedLinear):
         def __call__(self, x):
             if x.size // x.shape[-1] >= self._dense_rows:
-                w = mx.dequantize(self["weight"], self["scales"], self.get("biases"),
-                                  group_size=self.group_size, bits=self.bits, mode=self.mode)
-                x = mx.matmul(x, w.T)
+                x = dense_matmul(self, x)
                 return x + self["bias"] if "bias" in self else x
             return super().__call__(x)
 
     class _Embedding(nn.QuantizedEmbedding):
         def as_linear(self, x):  # a tied output head
             if x.size // x.shape[-1] >= self._dense_rows:
-                w = mx.dequantize(self["weight"], self["scales"], self.get("biases"),
-                                  group_size=self.group_size, bits=self.bits, mode=self.mode)
-                return mx.matmul(x, w.T)
+                return dense_matmul(self, x)
             return super().as_linear(x)
 
     switched = 0

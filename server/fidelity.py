@@ -126,11 +126,6 @@ def _compare_rows(ref_lp: mx.array, served_lp: mx.array, allowed: mx.array | Non
     return np.maximum(np.array(kld), 0.0), np.array(ref_top), np.array(served_top)
 
 
-def compare_topk(ref_top: list[list[tuple[int, float]]], served_lp: mx.array, tokens: list[int]) -> dict:
-    """KL over the reference's top-k tokens plus one bucket for the rest."""
-    return _summary(*_topk_rows(ref_top, served_lp), tokens)
-
-
 def _topk_rows(ref_top: list[list[tuple[int, float]]], served_lp: mx.array,
                allowed: mx.array | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Under a grammar, the reference's top-k is cut to the allowed tokens and renormalized

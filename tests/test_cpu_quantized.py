@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mixbit.models.loading import load
+from mixbit.models.loading import DENSE_ROWS, load
 from mixbit.models.registry import resolve
 
 
@@ -58,7 +58,7 @@ def test_dense_prefill_equals_the_quantized_kernels(uniform4):
         kernel = model(ids)
         mx.eval(dense, kernel)
     finally:
-        _set_rows(model, 16)
+        _set_rows(model, DENSE_ROWS)
     assert ids.shape[1] > 64
     scale = float(mx.abs(kernel).max().item())
     assert float(mx.abs(dense - kernel).max().item()) < 1e-5 * max(scale, 1.0) * 10
@@ -76,7 +76,7 @@ def test_auto_dequantizes_a_small_model_at_load_to_the_same_function(uniform4, u
     try:
         kernel = uniform4.model(ids)
     finally:
-        _set_rows(uniform4.model, 16)
+        _set_rows(uniform4.model, DENSE_ROWS)
     got = dense.model(ids)
     scale = float(mx.abs(kernel).max().item())
     assert float(mx.abs(got - kernel).max().item()) < 1e-4 * max(scale, 1.0)
