@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mixbit.models import corpus
+from mixbit.models.training import corpus
 
 CALIBRATION_SEED = 20261129
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mixbit.models import corpus
+from mixbit.models.training import corpus
 from mixbit.models.loading import LoadedModel, load
 from mixbit.models.registry import ResolvedModel, resolve
 

@@ -11,7 +11,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from mixbit.models import corpus
+from mixbit.models.training import corpus
 from mixbit.models.loading import LoadedModel, prompt_opens_think, render_chat
 from mixbit.models.toolcall import parse_output, parser_for_template
 
@@ -123,7 +123,7 @@ def heldout_loss_by_kind(lm: LoadedModel, docs: list[dict], batch_size: int = 8)
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mixbit.models.train import encode_with_targets
+    from mixbit.models.training.train import encode_with_targets
 
     tok = lm.tokenizer
     fast = tok._tokenizer.backend_tokenizer
@@ -170,7 +170,7 @@ def agent_soak(lm: LoadedModel, max_rounds: int = 30, seed: int = 77, constraine
     import json
     import random
 
-    from mixbit.models import catalogue
+    from mixbit.models.training import catalogue
 
     rng = random.Random(seed)
     parser = parser_for_template(lm.chat_template)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from mixbit.models import corpus
+from mixbit.models.training import corpus
 from mixbit.models.loading import LoadedModel
 
 from .evaluate import agent_soak, heldout_loss_by_kind, tool_call_eval

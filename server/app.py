@@ -9,8 +9,6 @@ import logging
 import threading
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -19,7 +17,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from mixbit.models.grammar import GrammarEngine
-from mixbit.models.loading import LoadedModel, load
+from mixbit.models.loading import load
 from mixbit.models.registry import ModelSourceError, resolve
 from mixbit.quant.variants import ensure_variant
 
@@ -30,9 +28,10 @@ from .fidelity import FidelityWorker, LocalReference, RemoteReference, score_top
 from .metrics import Metrics
 from .planning import chat_plan, completion_plans, reject_unsupported
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ScoreRequest
-from .responses import ResponseBuilder, ResponsesRequest, ResponseStore, chat_body, usage_of
+from .responses import ResponseBuilder, ResponsesRequest, chat_body, usage_of
 from .serving import account, collect, release, run_plan, start_choices, stream_response
 from .settings import Settings
+from .state import ServerState
 
 log = logging.getLogger("mixbit.server")
 _THREAD = threading.local()
@@ -47,31 +46,6 @@ def _mlx_call(fn, *args):
         stream = _THREAD.stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
         return fn(*args)
-
-
-@dataclass
-class ServerState:
-    settings: Settings
-    status: str = "starting"  # starting -> resolving -> quantizing -> loading -> ready | failed
-    detail: str = ""
-    started: float = field(default_factory=time.time)
-    lm: LoadedModel | None = None
-    engine: Engine | None = None
-    grammar: GrammarEngine | None = None
-    responses: ResponseStore = field(default_factory=ResponseStore)
-    metrics: Metrics | None = None
-    fidelity: FidelityWorker | None = None
-    group: Any = None  # mx.distributed group when serving one model over several ranks
-    served_id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    provenance: dict = field(default_factory=dict)
-    context_length: int = 4096
-    inflight: int = 0
-    draining: bool = False
-
-    @property
-    def ready(self) -> bool:
-        return self.status == "ready" and self.engine is not None and self.engine.alive
 
 
 def served_name(settings: Settings, resolved) -> str:

@@ -122,7 +122,7 @@ def cmd_train_tiny(args) -> int:
 
     if importlib.util.find_spec("torch") is None:
         raise SettingsError("train-tiny needs PyTorch: pip install 'mixbit[train]'")
-    from mixbit.models.train import TrainConfig, export_from_checkpoint, train
+    from mixbit.models.training.train import TrainConfig, export_from_checkpoint, train
     cfg = TrainConfig()
     for text in args.set_train:
         key, _, value = text.partition("=")

@@ -16,7 +16,7 @@ from .protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 
 def reject_unsupported(req) -> None:

@@ -27,7 +27,7 @@ from .planning import Plan
 from .responses import usage_of
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 log = logging.getLogger("mixbit.server")
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from mixbit.models import corpus
+from mixbit.models.training import corpus
 from mixbit.quant.evaluate import tool_call_eval
 
 from .conftest import run_cli

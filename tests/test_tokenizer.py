@@ -29,8 +29,8 @@ def tokenizers_three(embedded_path):
 
 
 def test_same_ids_everywhere(tokenizers_three):
-    from mixbit.models import corpus
-    from mixbit.models.train import render
+    from mixbit.models.training import corpus
+    from mixbit.models.training.train import render
 
     raw, auto, wrapper = tokenizers_three
     rng = random.Random(11)

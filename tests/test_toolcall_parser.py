@@ -2,7 +2,7 @@
 
 import json
 
-from mixbit.models.catalogue import FUNCTIONS_BY_NAME
+from mixbit.models.training.catalogue import FUNCTIONS_BY_NAME
 from mixbit.models.toolcall import (JsonToolParser, XmlToolParser, convert_value, parse_output,
                                     parser_for_template)
 

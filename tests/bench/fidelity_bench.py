@@ -62,7 +62,7 @@ def damaged_variant(pattern: str = "linear_attn.out_proj") -> Path:
 
 
 def requests(n: int) -> list[dict]:
-    from mixbit.models import corpus
+    from mixbit.models.training import corpus
 
     prompts = corpus.heldout_tool_prompts(n)
     out = []

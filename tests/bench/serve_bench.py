@@ -65,7 +65,7 @@ class Server:
 
 
 def make_prompts(tokenizer, n: int, target_tokens: int = 500, seed: int = 0) -> list[str]:
-    from mixbit.models import catalogue, corpus
+    from mixbit.models.training import catalogue, corpus
 
     rng = random.Random(seed)
     prompts = []
@@ -125,7 +125,7 @@ async def load_test(url: str, model: str, prompts: list[str], concurrency: int, 
 
 async def multi_turn(url: str, model: str, tokenizer, turns: int, bias: dict) -> list[float]:
     """An agent loop: each turn resends the whole history plus a tool result; TTFT per turn."""
-    from mixbit.models import catalogue
+    from mixbit.models.training import catalogue
 
     tools = [f.schema() for f in catalogue.FUNCTIONS[:4]]
     messages = [{"role": "user", "content": "What's the weather in Oslo?"}]

@@ -20,7 +20,7 @@ from . import corpus
 
 @dataclass
 class TrainConfig:
-    out: str = str(Path(__file__).parent / "tiny-qwen3.5")
+    out: str = str(Path(__file__).parents[1] / "tiny-qwen3.5")
     work_dir: str = ".cache/train-tiny"
     seed: int = 0
     vocab_size: int = 4096
@@ -181,7 +181,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def ensure_tokenizer(cfg: TrainConfig, work: Path):
     from transformers import AutoTokenizer
 
-    from .tokenizer import build_tokenizer, write_tokenizer_files
+    from ..tokenizer import build_tokenizer, write_tokenizer_files
 
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
@@ -189,7 +189,7 @@ def ensure_tokenizer(cfg: TrainConfig, work: Path):
 
         rng = random.Random(cfg.seed + 77)
         docs = [corpus.document(rng, corpus.MIX) for _ in range(cfg.tokenizer_docs)]
-        template = (Path(__file__).parent / "chat_template.jinja").read_text()
+        template = (Path(__file__).parents[1] / "chat_template.jinja").read_text()
         # render with a throwaway byte-level tokenizer: the template needs a tokenizer object
         from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
 
