@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache
 
-from .sampling import SamplingParams, make_processors, make_sampler
+from .sampling import SamplingParams, greedy, make_processors, make_sampler
 
 log = logging.getLogger("mixbit.engine")
 
@@ -44,6 +44,7 @@ class FinishEvent:
     cached_tokens: int
     text: str = ""  # any text still held back, released at the end
     error: str | None = None
+    status: int = 500  # with reason "error": 500 this request failed, 503 the engine restarted
     tokens: list[int] = field(default_factory=list)  # every generated id (end-of-turn included)
 
 
@@ -112,6 +113,22 @@ class _Sequence:
     last_at: float | None = None
     sid: int = 0  # the same id on every rank of a distributed engine
     grammar: str | None = None  # grammar text, so followers build the same constraint
+    failure: str | None = None  # set when this sequence's own sampler or processor raised
+    done: bool = False  # its FinishEvent was sent
+
+
+def _guarded(seq: _Sequence, fn, fallback):
+    """Runs a sequence's own sampler or logits processor; an exception marks that sequence as
+    failed (the engine ends it after the step) and the batch goes on with `fallback`."""
+    def call(*args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
+            if seq.failure is None:
+                log.exception("sequence %d failed in %s", seq.sid, getattr(fn, "__name__", fn))
+                seq.failure = f"{type(exc).__name__}: {exc}"
+            return fallback(*args)
+    return call
 
 
 class Engine:
@@ -138,12 +155,40 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._active: dict[int, _Sequence] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mixbit-engine", daemon=True)
+        self._thread = self._new_thread()
+        self._watchdog: threading.Thread | None = None
         self.eos_ids = sorted(tokenizer.eos_token_ids)
         self.error: BaseException | None = None
+        self.restarts = 0  # times the decode loop or its thread was started again after a failure
+        self._taken: list[_Sequence] = []  # admissions being applied by the loop right now
 
     # ------------------------------------------------------------------ public, any thread
-    def start(self) -> None:
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name="mixbit-engine", daemon=True)
+
+    def start(self, watch_every: float = 0.5) -> None:
+        self._thread.start()
+        if self.group is None:  # lockstep ranks cannot restart alone: they fail, visibly
+            self._watchdog = threading.Thread(target=self._watch, args=(watch_every,),
+                                              name="mixbit-engine-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self, every: float) -> None:
+        """Starts the engine thread again if it ever dies (the loop restarts itself on ordinary
+        exceptions; this covers whatever still ends the thread)."""
+        while not self._stop.wait(every):
+            if not self._thread.is_alive():
+                self.revive()
+
+    def revive(self) -> None:
+        if self._stop.is_set() or self._thread.is_alive():
+            return
+        log.error("the engine thread had stopped (%s); starting it again", self.error)
+        self.restarts += 1
+        self.prompt_cache = LRUPromptCache(max_size=self.prompt_cache.max_size,
+                                           max_bytes=self.prompt_cache.max_bytes)
+        self._thread = self._new_thread()
+        self.error = None
         self._thread.start()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -153,6 +198,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
+        """Whether generation can be served now (/ready and /health say so)."""
         return self._thread.is_alive() and self.error is None
 
     def submit(self, prompt: list[int], params: SamplingParams, emit: Callable[[Any], None],
@@ -182,33 +228,55 @@ class Engine:
             raise self.error
 
     def _run(self) -> None:
-        stream = mx.new_stream(mx.default_device())
         try:
-            with mx.stream(stream):
-                if self.group is not None:
-                    mx.random.seed(0)  # unseeded sampling draws the same numbers on every rank
-                gen = self._generator(stream)
-                while True:
-                    ops = self._next_ops(block=not self._active)
-                    if ops is None:
-                        break
-                    for op in ops:
-                        self._apply(gen, op)
-                    if not self._active:
-                        continue
-                    try:
-                        self._step(gen)
-                    except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
-                        log.exception("a decode step failed; ending the %d sequences of this "
-                                      "batch with an error", len(self._active))
-                        for seq in list(self._active.values()):
-                            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-                        gen = self._generator(stream)
+            while True:
+                try:
+                    self._loop()
+                    return
+                except Exception as exc:  # noqa: BLE001 - restart the loop, keep serving
+                    if self.group is not None or self._stop.is_set():
+                        raise
+                    log.exception("the engine loop failed; ending its %d sequences and starting "
+                                  "it again", len(self._active))
+                    self._fail_active(f"the engine restarted after an internal error "
+                                      f"({type(exc).__name__}); retry the request")
+                    self.restarts += 1
         except BaseException as exc:  # the engine must never die silently
             log.exception("engine thread failed")
             self.error = exc
-            for seq in list(self._active.values()):
-                self._finish(seq, "error", error=str(exc))
+            self._fail_active(f"the engine stopped ({type(exc).__name__}: {exc}); retry the request")
+
+    def _fail_active(self, message: str) -> None:
+        """Ends the running sequences, and those taken from the queue but not yet running."""
+        taken, self._taken = self._taken, []
+        for seq in list(self._active.values()) + taken:
+            self._finish(seq, "error", error=message, status=503)  # once: finished ones stay so
+        self.stats.running, self.stats.waiting = 0, self._inbox.qsize()
+
+    def _loop(self) -> None:
+        stream = mx.new_stream(mx.default_device())
+        with mx.stream(stream):
+            if self.group is not None:
+                mx.random.seed(0)  # unseeded sampling draws the same numbers on every rank
+            gen = self._generator(stream)
+            while True:
+                ops = self._next_ops(block=not self._active)
+                if ops is None:
+                    break
+                self._taken = [op[1] for op in ops if op[0] == "add"]  # fail them if the loop does
+                for op in ops:
+                    self._apply(gen, op)
+                self._taken = []
+                if not self._active:
+                    continue
+                try:
+                    self._step(gen)
+                except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
+                    log.exception("a decode step failed; ending the %d sequences of this "
+                                  "batch with an error", len(self._active))
+                    for seq in list(self._active.values()):
+                        self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+                    gen = self._generator(stream)
 
     def _generator(self, stream) -> BatchGenerator:
         return BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos_ids],
@@ -279,7 +347,14 @@ class Engine:
     def _apply(self, gen: BatchGenerator, op) -> None:
         if op[0] == "add":
             self.stats.waiting -= 1
-            self._add(gen, op[1])
+            seq = op[1]
+            try:
+                self._add(gen, seq)
+            except Exception as exc:  # noqa: BLE001 - a request that cannot start ends alone
+                log.exception("sequence %d could not be admitted", seq.sid)
+                if seq.uid is not None and seq.uid in self._active:
+                    gen.remove([seq.uid])
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
         elif op[0] == "cancel":
             seq, reason = op[1], op[2]
             if seq.uid is not None and seq.uid in self._active:
@@ -296,11 +371,14 @@ class Engine:
         if cache is None or not rest:
             cache, rest = None, seq.prompt
         seq.cached = len(seq.prompt) - len(rest)
-        processors = make_processors(seq.params) + seq.extra_processors
+        processors = [_guarded(seq, p, lambda tokens, logits: logits)
+                       for p in make_processors(seq.params) + seq.extra_processors]
+        sampler = make_sampler(seq.params, seq.draw_index)
+        if sampler is not greedy:  # one shared greedy sampler keeps greedy batches in one call
+            sampler = _guarded(seq, sampler, greedy)
         (seq.uid,) = gen.insert(
             [rest], max_tokens=[seq.params.max_tokens], caches=[cache],
-            all_tokens=[seq.prompt[:seq.cached]],
-            samplers=[make_sampler(seq.params, seq.draw_index)],
+            all_tokens=[seq.prompt[:seq.cached]], samplers=[sampler],
             logits_processors=[processors])
         seq.detok = self.tokenizer.detokenizer
         seq.detok.reset()
@@ -318,6 +396,11 @@ class Engine:
             self.prompt_cache.insert_cache(self.model_key, list(tokens), cache, cache_type="user")
         self.stats.last_batch_size = len(responses)
         now = time.monotonic()
+        failed = [seq for seq in self._active.values() if seq.failure is not None]
+        if failed:  # their own sampler or processor raised: end them, not the batch
+            gen.remove([seq.uid for seq in failed])
+            for seq in failed:
+                self._finish(seq, "error", error=seq.failure)
         to_remove = []
         for r in responses:
             seq = self._active.get(r.uid)
@@ -365,7 +448,11 @@ class Engine:
         self.stats.running = len(self._active)
         self.stats.prefix_cache_bytes = self.prompt_cache.nbytes
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None,
+                status: int = 500) -> None:
+        if seq.done:
+            return
+        seq.done = True
         if seq.uid is not None:
             self._active.pop(seq.uid, None)
         self._by_sid.pop(seq.sid, None)
@@ -374,7 +461,7 @@ class Engine:
         self.stats.running = len(self._active)
         seq.emit(FinishEvent(reason=reason, prompt_tokens=len(seq.prompt),
                              completion_tokens=seq.generated, cached_tokens=seq.cached,
-                             text=tail, error=error, tokens=list(seq.tokens)))
+                             text=tail, error=error, status=status, tokens=list(seq.tokens)))
 
 
 def async_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[Any], None]:

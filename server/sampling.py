@@ -38,7 +38,8 @@ def make_sampler(p: SamplingParams, draw_index: int = 0):
     """A sampler for one sequence; with a seed, the same seed gives the same tokens."""
     if p.temperature == 0:
         return greedy
-    key = [mx.random.key(p.seed + draw_index)] if p.seed is not None else None
+    # MLX keys take 0..2**64-1: negative (int64) seeds and seed + n wrap around
+    key = [mx.random.key((p.seed + draw_index) % 2**64)] if p.seed is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         x = logprobs

@@ -234,6 +234,15 @@ async def _next_event(watch: _DisconnectWatch, c: _Choice):
             continue
 
 
+def generation_error(finish: FinishEvent) -> APIError:
+    """A request the engine ended with an error: 500 when it failed alone, 503 (retry) when the
+    engine restarted under it."""
+    if finish.status == 503:
+        return APIError(503, f"generation was interrupted: {finish.error}", code="engine_restarted",
+                        headers={"Retry-After": "1"})
+    return APIError(500, f"generation failed: {finish.error}", code="engine_error")
+
+
 async def collect(request: Request, st: ServerState, choices: list[_Choice]) -> None:
     watch = _DisconnectWatch(request)
 
@@ -254,7 +263,7 @@ async def collect(request: Request, st: ServerState, choices: list[_Choice]) -> 
     await asyncio.gather(*(one(c) for c in choices))
     for c in choices:
         if c.finish is not None and c.finish.reason == "error":
-            raise APIError(500, f"generation failed: {c.finish.error}", code="engine_error")
+            raise generation_error(c.finish)
 
 
 def _usage(choices: list[_Choice]) -> Usage:
@@ -346,7 +355,7 @@ async def _stream_chat(st, request, plan, choices, rid, include_usage):
             yield _chunk(st, rid, c.index, ChatDelta(role="assistant", content=""))
         async for c, ev in _merged_events(request, choices):
             if isinstance(ev, FinishEvent) and ev.reason == "error":
-                yield errors.error_event(APIError(500, f"generation failed: {ev.error}", code="engine_error"))
+                yield errors.error_event(generation_error(ev))
                 continue
             events = c.feed(ev.text, final=isinstance(ev, FinishEvent))
             lp = ChoiceLogprobs(content=[_chat_logprob(tok, ev)]) \
@@ -373,7 +382,8 @@ async def stream_response(st, request, plan, choice, builder, conversation):
             yield {"event": event["type"], "data": json.dumps(event)}
         async for c, ev in _merged_events(request, [choice]):
             if isinstance(ev, FinishEvent) and ev.reason == "error":
-                err = {"type": "error", "code": "engine_error", "message": f"generation failed: {ev.error}",
+                failed = generation_error(ev)
+                err = {"type": "error", "code": failed.code, "message": failed.message,
                        "param": None, "sequence_number": builder._seq + 1}
                 yield {"event": "error", "data": json.dumps(err)}
                 return
