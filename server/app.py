@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -26,9 +27,10 @@ from .engine import Engine
 from .errors import APIError
 from .fidelity import FidelityWorker, LocalReference, RemoteReference, score_top
 from .metrics import Metrics
+from .middleware import CatchAll, CheckBody, CountRequests
 from .planning import chat_plan, completion_plans, reject_unsupported
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ScoreRequest
-from .responses import ResponseBuilder, ResponsesRequest, chat_body, usage_of
+from .responses import ResponseBuilder, ResponsesRequest, chat_body, responses_param, usage_of
 from .serving import account, collect, release, run_plan, start_choices, stream_response
 from .settings import Settings
 from .state import ServerState
@@ -211,66 +213,6 @@ def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorke
     return worker
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for bodies over the limit, counted as they arrive (chunked too)."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        too_big = APIError(413, f"request body exceeds server.max_body_bytes ({self.limit} bytes)",
-                           code="request_too_large")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await too_big.response()(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await too_big.response()(scope, receive, send)
-
-
-class CountRequests:
-    """Counts requests by route and status. Plain ASGI (not BaseHTTPMiddleware), so the
-    endpoints still see a client's disconnect and free its slot."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = [500]
-
-        async def watch(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watch)
-        finally:
-            endpoint = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.requests.labels(endpoint, str(status[0])).inc()
-
-
-class _TooLarge(Exception):
-    pass
-
-
 def create_app(settings: Settings, *, load_model: bool = True, group=None) -> FastAPI:
     state = ServerState(settings=settings, group=group)
     state.metrics = Metrics(state)
@@ -296,14 +238,16 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
     if settings.server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins,
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(BodyLimit, limit=settings.server.max_body_bytes)
-
+    # innermost first: the last added runs first
+    app.add_middleware(CatchAll)
+    app.add_middleware(CheckBody, limit=settings.server.max_body_bytes)
     app.add_middleware(CountRequests, metrics=state.metrics)
     keys = [k.encode() for k in settings.server.api_keys]
 
-    async def auth(request: Request) -> None:
+    async def auth(request: Request) -> bool:
+        """True when the request carried a valid key; False when the server has no keys."""
         if not keys:
-            return
+            return False
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
@@ -314,6 +258,7 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
         if not ok:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return True
 
     def ready_state() -> ServerState:
         if state.draining:
@@ -350,16 +295,16 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
             return body
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
-    async def models() -> ModelList:
+    @app.get("/v1/models")
+    async def models(authenticated: bool = Depends(auth)) -> ModelList:
         st = ready_state()
-        return ModelList(data=[_card(st)])
+        return ModelList(data=[_card(st, authenticated)])
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
-    async def model(model_id: str) -> ModelCard:
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, authenticated: bool = Depends(auth)) -> ModelCard:
         st = ready_state()
         check_model(model_id)
-        return _card(st)
+        return _card(st, authenticated)
 
     def admit(req) -> ServerState:
         """The checks every generation request passes before any work is done."""
@@ -427,8 +372,9 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
             chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise APIError(400, f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}",
-                           code="invalid_value") from None
+            param = responses_param(errors.param_of(first["loc"]))
+            msg = first["msg"].removeprefix("Value error, ")
+            raise APIError(400, f"{param}: {msg}", param=param, code="invalid_value") from None
         plan = chat_plan(st, chat)
         plan.endpoint = "/v1/responses"
         (choice,) = start_choices(st, plan, 1)
@@ -484,5 +430,23 @@ def _version() -> str:
         return "0"
 
 
-def _card(st: ServerState) -> ModelCard:
-    return ModelCard(id=st.served_id, created=st.created, mixbit=st.provenance)
+def _is_local_path(value: str) -> bool:
+    return value.startswith(("/", "~", "./", "../", "file:")) or re.match(r"^[A-Za-z]:[\\/]", value) is not None
+
+
+def without_local_paths(value):
+    """Provenance as an unauthenticated client may see it: local paths (the cache, a local
+    source folder, a calibration file) replaced by a placeholder."""
+    if isinstance(value, dict):
+        return {k: without_local_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_local_paths(v) for v in value]
+    if isinstance(value, str) and _is_local_path(value):
+        return "<local path>"
+    return value
+
+
+def _card(st: ServerState, authenticated: bool) -> ModelCard:
+    """Local paths only for a request that presented a valid API key."""
+    provenance = st.provenance if authenticated else without_local_paths(st.provenance)
+    return ModelCard(id=st.served_id, created=st.created, mixbit=provenance)

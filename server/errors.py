@@ -34,7 +34,8 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def _param(loc: tuple) -> str:
+def param_of(loc: tuple) -> str:
+    """A pydantic error location as OpenAI names a parameter: messages[0].content."""
     parts = [str(p) for p in loc if p not in ("body",)]
     out = ""
     for p in parts:
@@ -55,7 +56,7 @@ def install(app: FastAPI) -> None:
             return APIError(400, "the request body is not valid JSON: "
                             f"{first.get('ctx', {}).get('error', first['msg'])}",
                             code="invalid_json").response()
-        param = _param(tuple(first.get("loc", ())))
+        param = param_of(tuple(first.get("loc", ())))
         msg = first["msg"].removeprefix("Value error, ")
         if first.get("type") == "missing":
             msg = "this field is required"

@@ -9,9 +9,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The full 64-bit range: OpenAI's int64 seeds, and unsigned ones (negatives wrap modulo 2**64).
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+
+
+def check_json_schema(schema: Any) -> None:
+    """A ValueError naming what is wrong when `schema` is not a valid JSON Schema (checked
+    against the meta-schema of the draft it declares, 2020-12 by default)."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a JSON Schema is an object or a boolean; got {type(schema).__name__}")
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except RecursionError:
+        raise ValueError("the JSON Schema is nested too deeply") from None
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise ValueError(f"not a valid JSON Schema{f' at {where}' if where else ''}: "
+                         f"{exc.message[:300]}") from None
 
 
 class _Lenient(BaseModel):
@@ -73,6 +94,13 @@ class FunctionDef(_Lenient):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v):
+        if v is not None:
+            check_json_schema(v)
+        return v
+
 
 class Tool(_Lenient):
     type: Literal["function"]
@@ -90,7 +118,7 @@ class _SamplingFields(_Lenient):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
@@ -148,6 +176,33 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v):
+        if isinstance(v, dict):
+            fn = v.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else v.get("name")
+            if v.get("type", "function") != "function" or not isinstance(name, str) or not name:
+                raise ValueError('must be "none", "auto", "required" or {"type": "function", '
+                                 '"function": {"name": "<a tool\'s name>"}}')
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v):
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be one of text, json_object, json_schema; got {kind!r}")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ValueError("json_schema must be an object with a `schema` (and a `name`)")
+            if spec.get("schema") is not None:
+                check_json_schema(spec["schema"])
+        return v
 
     @model_validator(mode="after")
     def _checks(self):

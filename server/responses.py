@@ -11,6 +11,7 @@ a bounded in-memory store (per process, oldest dropped first).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -19,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
-from .protocol import new_id
+from .protocol import Seed, new_id
 
 
 class ResponsesRequest(BaseModel):
@@ -42,7 +43,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    seed: int | None = None  # not OpenAI's, but what local servers accept
+    seed: Seed | None = None  # not OpenAI's, but what local servers accept
     background: bool | None = None
     conversation: Any = None
 
@@ -71,18 +72,34 @@ class ResponseStore:
             return self._items.get(rid)
 
 
+def _field(item: dict, key: str, where: str, kind=str, default=None):
+    """item[key] when it has the expected type (or is absent: default); else a 400 naming it."""
+    value = item.get(key, default)
+    if value is default or isinstance(value, kind):
+        return value
+    names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+    raise APIError(400, f"{where}.{key} must be of type {names}; got {type(value).__name__}",
+                   param=f"{where}.{key}", code="invalid_type")
+
+
 def _text_of(content, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content parts",
+                       param=f"{where}.content", code="invalid_type")
     parts = []
     for j, part in enumerate(content):
+        here = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise APIError(400, f"{here} must be an object", param=here, code="invalid_type")
         kind = part.get("type")
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            parts.append(part.get("text", ""))
+            parts.append(_field(part, "text", here, default=""))
         elif kind == "refusal":
-            parts.append(part.get("refusal", ""))
+            parts.append(_field(part, "refusal", here, default=""))
         else:
             raise APIError(400, f"{where}.content[{j}]: content type {kind!r} is not supported: "
                            "this model reads text only", param=f"{where}.content",
@@ -99,6 +116,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
+        if kind is not None and not isinstance(kind, str):
+            raise APIError(400, f"{where}.type must be a string", param=f"{where}.type",
+                           code="invalid_type")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -110,12 +130,13 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             out.append(msg)
         elif kind == "function_call":
             try:
-                args = json.loads(item.get("arguments") or "{}")
-            except json.JSONDecodeError:
+                args = json.loads(_field(item, "arguments", where) or "{}")
+            except (json.JSONDecodeError, RecursionError):
                 raise APIError(400, f"{where}.arguments is not valid JSON", param=f"{where}.arguments",
                                code="invalid_value") from None
-            call = {"id": item.get("call_id") or new_id("call"), "type": "function",
-                    "function": {"name": item.get("name", ""), "arguments": json.dumps(args)}}
+            call = {"id": _field(item, "call_id", where) or new_id("call"), "type": "function",
+                    "function": {"name": _field(item, "name", where, default=""),
+                                 "arguments": json.dumps(args)}}
             last = out[-1] if out else None
             if last and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)
@@ -128,10 +149,11 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_of(output, where) if isinstance(output, list) else json.dumps(output)
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
+                        "content": output})
         elif kind == "reasoning":
-            texts = [c.get("text", "") for c in (item.get("content") or [])] or \
-                [s.get("text", "") for s in (item.get("summary") or [])]
+            parts = _field(item, "content", where, list) or _field(item, "summary", where, list) or []
+            texts = [_text_of([part], where) for part in parts]
             reasoning = "\n".join(t for t in texts if t) or None
         else:
             raise APIError(400, f"{where}: input item type {kind!r} is not supported (supported: "
@@ -175,7 +197,7 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
         body["tool_choice"] = choice
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
-    fmt = (req.text or {}).get("format")
+    fmt = _field(req.text or {}, "format", "text", dict)
     if fmt and fmt.get("type") == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.get("name", "output"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
@@ -195,6 +217,18 @@ def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
     if req.top_logprobs:
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs
     return body
+
+
+def responses_param(chat_param: str) -> str:
+    """The Responses request's name for a field of the chat request it became."""
+    m = re.match(r"tools\[(\d+)\]\.function(.*)", chat_param)
+    if m:
+        return f"tools[{m.group(1)}]{m.group(2)}"
+    for chat, ours in (("response_format", "text.format"), ("max_tokens", "max_output_tokens"),
+                       ("messages", "input"), ("chat_template_kwargs", "reasoning")):
+        if chat_param == chat or chat_param.startswith(chat + "[") or chat_param.startswith(chat + "."):
+            return ours
+    return chat_param
 
 
 class ResponseBuilder:
