@@ -5,10 +5,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mixbit-installed
-# MLX's Linux wheel bundles a reference BLAS; Debian's OpenBLAS preloaded made fp32 prefill ~4x
-# faster here. Used when present, installed by `setup` when apt-get is available as root.
+# MLX's Linux wheel bundles a reference BLAS; `mixbit` itself loads the cmeel-openblas wheel (or a
+# system OpenBLAS) before MLX (models/blas.py). That wheel needs libgfortran.so.5: `setup` installs
+# Debian's OpenBLAS as root, which brings it (and is the fallback BLAS).
 OPENBLAS = $(firstword $(wildcard /usr/lib/*/openblas-pthread/libopenblas.so.0))
-RUN = $(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) ,)
 
 .PHONY: setup serve test test-tools bench clean
 
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 serve: setup
-	$(RUN)$(VENV)/bin/mixbit serve
+	$(VENV)/bin/mixbit serve
 
 # The metrics end-to-end test scrapes the server with a real Prometheus (Debian's package).
 test-tools:
@@ -37,7 +37,7 @@ test-tools:
 		|| echo "note: no prometheus binary; tests/test_metrics.py needs one (apt-get install prometheus)"
 
 test: setup test-tools
-	$(RUN)$(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache

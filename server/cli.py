@@ -26,7 +26,11 @@ def _add_settings_flags(p: argparse.ArgumentParser, flags: tuple[str, ...]) -> N
     for flag in flags:
         section, key = MIRRORED[flag]
         field = SECTIONS[section].model_fields[key]
-        p.add_argument(f"--{flag}", default=None, help=f"{section}.{key}: {field.description or ''}")
+        p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, default=None,
+                       help=f"{section}.{key}: {field.description or ''}")
+
+
+IGNORED_ENV: list[str] = []  # MIXBIT_* variables that are not settings (service links, ...)
 
 
 def _settings(args: argparse.Namespace, flags: tuple[str, ...]):
@@ -39,7 +43,18 @@ def _settings(args: argparse.Namespace, flags: tuple[str, ...]):
         if value is not None:
             section, key = MIRRORED[flag]
             cli.setdefault(section, {})[key] = value
-    return load_settings(args.config or default_config_path(), cli)
+    IGNORED_ENV.clear()
+    return load_settings(args.config or default_config_path(), cli, ignored=IGNORED_ENV)
+
+
+def _log_start(logger) -> None:
+    """What start-up owes the log once: the BLAS under MLX, and environment that was ignored."""
+    from mixbit.models.blas import report
+
+    report(logger)
+    if IGNORED_ENV:
+        logger.info("ignored %d MIXBIT_* environment variables that are not settings (Kubernetes "
+                    "or Docker service links): %s", len(IGNORED_ENV), ", ".join(IGNORED_ENV))
 
 
 def _load(settings):
@@ -179,6 +194,7 @@ def cmd_quantize(args) -> int:
 
     settings = _settings(args, QUANT_FLAGS)
     logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    _log_start(logging.getLogger("mixbit.quantize"))
     m, q = settings.model, settings.quant
     if q.recipe == "bf16":
         raise SettingsError("--recipe bf16 does not quantize; pick uniform-4, uniform-3, "
@@ -221,6 +237,7 @@ def cmd_serve(args) -> int:
     settings = _settings(args, SERVE_FLAGS)
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_start(logging.getLogger("mixbit.server"))
     group = None
     if settings.server.distributed:
         import mlx.core as mx
@@ -310,10 +327,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def kebab_case(argv: list[str]) -> list[str]:
+    """Flags are kebab-case (--target-bpw); the underscore spelling (--target_bpw) is an alias."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mixbit.models.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # before anything imports mlx.core
     from mixbit.models.registry import ModelSourceError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(kebab_case(sys.argv[1:] if argv is None else list(argv)))
     try:
         return args.func(args)
     except (SettingsError, ModelSourceError) as exc:

@@ -1,7 +1,8 @@
 """Settings: config.toml < environment (MIXBIT_<SECTION>_<KEY>) < CLI flags, validated once.
 
 Every key lives in a section of config.toml (`[model] source = ...`). The environment variable
-for a key is MIXBIT_ + section + _ + key in capitals (MIXBIT_SERVER_PORT=8001). The CLI takes the
+for a key is MIXBIT_ + section + _ + key in capitals (MIXBIT_SERVER_PORT=8001); other MIXBIT_*
+variables (Kubernetes service links, Docker links) are ignored and logged once. The CLI takes the
 common keys as flags (--port 8001) and any key as --set section.key=value. A wrong key or value
 stops start-up with one message that names the key and what it accepts.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -132,17 +134,35 @@ def _coerce_env(section: str, key: str, raw: str) -> Any:
     return raw
 
 
-def env_overrides(environ: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+# What platforms inject beside settings: kubelet's service links for a Service named "mixbit"
+# (MIXBIT_SERVICE_HOST, MIXBIT_SERVICE_PORT_HTTP, MIXBIT_PORT=tcp://..., MIXBIT_PORT_8000_TCP_ADDR)
+# and Docker's legacy links (MIXBIT_NAME, MIXBIT_ENV_*). For a Service named "mixbit-server" the
+# same shapes land inside a known section (MIXBIT_SERVER_SERVICE_HOST, MIXBIT_SERVER_PORT=tcp://..).
+_PLATFORM_SUFFIX = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT_\d+_(TCP|UDP|SCTP)"
+                              r"(_(ADDR|PORT|PROTO))?)$")
+_SERVICE_URL = re.compile(r"^(tcp|udp|sctp)://[^\s]*:\d+$")
+
+
+def _platform_injected(name: str, raw: str) -> bool:
+    return bool(_PLATFORM_SUFFIX.search(name)) or bool(_SERVICE_URL.match(raw.strip()))
+
+
+def env_overrides(environ: dict[str, str] | None = None,
+                  ignored: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Settings from MIXBIT_<SECTION>_<KEY> variables. A variable whose section is unknown, or that
+    has the shape of a Kubernetes/Docker service link, is not a setting: its name goes into
+    `ignored` (start-up logs them once). An unknown key in a known section is an error."""
     environ = dict(os.environ if environ is None else environ)
     out: dict[str, dict[str, Any]] = {}
-    for name, raw in environ.items():
+    for name, raw in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or name in ("MIXBIT_CONFIG",):
             continue
         rest = name[len(ENV_PREFIX):].lower()
         section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
-        if section is None:
-            raise SettingsError(f"environment variable {name}: unknown section; expected "
-                                f"MIXBIT_<SECTION>_<KEY> with SECTION one of {', '.join(SECTIONS)}")
+        if section is None or _platform_injected(name, raw):
+            if ignored is not None:
+                ignored.append(name)
+            continue
         key = rest[len(section) + 1:]
         if key not in SECTIONS[section].model_fields:
             raise SettingsError(f"environment variable {name}: unknown key '{section}.{key}'; "
@@ -196,8 +216,9 @@ def _explain(error: ValidationError) -> str:
 
 
 def load_settings(config_path: str | Path | None = None, cli: dict[str, dict[str, Any]] | None = None,
-                  environ: dict[str, str] | None = None) -> Settings:
-    """Builds the settings from the three layers; raises SettingsError naming the bad key."""
+                  environ: dict[str, str] | None = None, ignored: list[str] | None = None) -> Settings:
+    """Builds the settings from the three layers; raises SettingsError naming the bad key.
+    `ignored` collects the MIXBIT_* variables that are not settings (see env_overrides)."""
     data: dict[str, Any] = {}
     environ = dict(os.environ if environ is None else environ)
     path = config_path or environ.get("MIXBIT_CONFIG")
@@ -209,7 +230,7 @@ def load_settings(config_path: str | Path | None = None, cli: dict[str, dict[str
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"config file {p} is not valid TOML: {exc}") from None
-    data = _merge(data, env_overrides(environ))
+    data = _merge(data, env_overrides(environ, ignored))
     data = _merge(data, cli or {})
     try:
         return Settings.model_validate(data)

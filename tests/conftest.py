@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from mixbit.models.blas import ensure_fast_blas
+
+ensure_fast_blas()  # in-process tests get the BLAS the CLI loads, before anything imports mlx
+
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "models" / "tiny-qwen3.5"
 MIXBIT = [sys.executable, "-m", "mixbit.server.cli"]
