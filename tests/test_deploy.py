@@ -75,6 +75,7 @@ def test_kubernetes_manifests_validate(tmp_path):
     deployment = yaml.safe_load((DEPLOY / "k8s" / "deployment.yaml").read_text())
     pod = deployment["spec"]["template"]["spec"]
     c = pod["containers"][0]
+    assert pod["enableServiceLinks"] is False  # no MIXBIT_SERVICE_* variables injected
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert any(m["mountPath"] == "/cache" and m.get("readOnly") for m in c["volumeMounts"])

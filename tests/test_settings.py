@@ -92,3 +92,32 @@ def test_cli_bad_setting_is_one_clear_line(tmp_path):
     out = run_cli("config", "--set", "server.port=-5")
     assert out.returncode == 2
     assert "server.port" in out.stderr and "Traceback" not in out.stderr
+
+
+# What kubelet injects into every pod for a Service named "mixbit" (service links), and what
+# Docker's legacy links add: none of it is a setting, and none of it may stop start-up.
+KUBELET_MIXBIT = {
+    "MIXBIT_SERVICE_HOST": "10.96.0.15", "MIXBIT_SERVICE_PORT": "8000",
+    "MIXBIT_SERVICE_PORT_HTTP": "8000", "MIXBIT_PORT": "tcp://10.96.0.15:8000",
+    "MIXBIT_PORT_8000_TCP": "tcp://10.96.0.15:8000", "MIXBIT_PORT_8000_TCP_PROTO": "tcp",
+    "MIXBIT_PORT_8000_TCP_PORT": "8000", "MIXBIT_PORT_8000_TCP_ADDR": "10.96.0.15",
+}
+
+
+def test_platform_injected_variables_are_ignored_and_named():
+    ignored: list[str] = []
+    env = {**KUBELET_MIXBIT, "MIXBIT_NAME": "/web/mixbit", "MIXBIT_ENV_FOO": "x",
+           # a Service named "mixbit-server": the same shapes inside a known section
+           "MIXBIT_SERVER_SERVICE_HOST": "10.96.0.16", "MIXBIT_SERVER_PORT": "tcp://10.96.0.16:8000",
+           "MIXBIT_SERVER_PORT_8000_TCP_ADDR": "10.96.0.16",
+           "MIXBIT_GENERATION_SEED": "7"}  # a real setting beside them still applies
+    s = load_settings(None, environ=env, ignored=ignored)
+    assert s.server.port == 8000 and s.generation.seed == 7
+    assert set(ignored) == set(env) - {"MIXBIT_GENERATION_SEED"}
+
+
+def test_unknown_key_in_a_known_section_is_still_an_error():
+    with pytest.raises(SettingsError, match="unknown key 'server.prot'"):
+        load_settings(None, environ={**KUBELET_MIXBIT, "MIXBIT_SERVER_PROT": "1"})
+    with pytest.raises(SettingsError, match="server.port"):  # a value that is no service link
+        load_settings(None, environ={"MIXBIT_SERVER_PORT": "http://x"})
