@@ -375,7 +375,11 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
             param = responses_param(errors.param_of(first["loc"]))
             msg = first["msg"].removeprefix("Value error, ")
             raise APIError(400, f"{param}: {msg}", param=param, code="invalid_value") from None
-        plan = chat_plan(st, chat)
+        try:
+            plan = chat_plan(st, chat)
+        except APIError as exc:  # named as the Responses request names its fields
+            exc.param = responses_param(exc.param) if exc.param else exc.param
+            raise
         plan.endpoint = "/v1/responses"
         (choice,) = start_choices(st, plan, 1)
         builder = ResponseBuilder(req, st.served_id)

@@ -27,8 +27,11 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        def text(v):  # a message may quote the input: never let it fail to encode
+            return v.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(v, str) else v
+
+        return {"error": {"message": text(self.message), "type": self.type,
+                          "param": text(self.param), "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -56,7 +59,18 @@ def install(app: FastAPI) -> None:
             return APIError(400, "the request body is not valid JSON: "
                             f"{first.get('ctx', {}).get('error', first['msg'])}",
                             code="invalid_json").response()
-        param = param_of(tuple(first.get("loc", ())))
+        # a union's branches each report an error below the field: name the field itself
+        loc = tuple(first.get("loc", ()))
+        for other in errors[1:]:
+            o = tuple(other.get("loc", ()))
+            if o[:2] != loc[:2]:
+                continue
+            n = 0
+            while n < min(len(loc), len(o)) and loc[n] == o[n]:
+                n += 1
+            if n < min(len(loc), len(o)) and isinstance(loc[n], str) and isinstance(o[n], str):
+                loc = loc[:n]  # branches (str / list[str] / ...), not two list items
+        param = param_of(loc)
         msg = first["msg"].removeprefix("Value error, ")
         if first.get("type") == "missing":
             msg = "this field is required"

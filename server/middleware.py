@@ -13,17 +13,24 @@ from .metrics import Metrics
 
 log = logging.getLogger("mixbit.server")
 
-# A JSON escape of a UTF-16 surrogate (\ud800-\udfff); only bodies that contain one are parsed
-# here, to find the strings where one stands alone (a valid pair decodes to one character).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A UTF-16 surrogate (U+D800-U+DFFF) as a JSON escape, or encoded as (invalid) UTF-8 bytes, which
+# Python's JSON parser also lets through; only bodies that contain one are parsed here, to find
+# the strings where one stands alone (a valid escaped pair decodes to one character).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 
 
 def _is_surrogate(ch: str) -> bool:
     return "\ud800" <= ch <= "\udfff"
 
 
+def printable(text: str) -> str:
+    """Text that can be encoded as UTF-8: lone surrogates written as \\udXXX escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def lone_surrogate(value, path: str = "") -> tuple[str, int] | None:
-    """(JSON path, character index) of the first string (or key) with a lone surrogate."""
+    """(JSON path, character index) of the first string (or key, index -1) with a lone
+    surrogate; the path itself is printable."""
     stack = [(value, path)]
     while stack:
         item, where = stack.pop()
@@ -33,13 +40,29 @@ def lone_surrogate(value, path: str = "") -> tuple[str, int] | None:
                     return where, i
         elif isinstance(item, dict):
             for key, sub in reversed(list(item.items())):
-                inner = f"{where}.{key}" if where else str(key)
+                inner = f"{where}.{printable(key)}" if where else printable(key)
                 if any(_is_surrogate(ch) for ch in key):
                     return inner, -1
                 stack.append((sub, inner))
         elif isinstance(item, list):
             stack.extend((sub, f"{where}[{i}]") for i, sub in reversed(list(enumerate(item))))
     return None
+
+
+def unicode_error(found: tuple[str, int] | None) -> APIError | None:
+    if found is None:
+        return None
+    path, index = found
+    where = f" at character {index}" if index >= 0 else " in a key"
+    return APIError(400, f"{path or 'body'}: invalid Unicode{where} (a lone UTF-16 surrogate); "
+                    "strings must be valid Unicode text", param=path or None, code="invalid_unicode")
+
+
+def reject_invalid_unicode(value, param: str) -> None:
+    """For values decoded from JSON strings inside a request (tool-call arguments)."""
+    err = unicode_error(lone_surrogate(value, param))
+    if err is not None:
+        raise err
 
 
 class CheckBody:
@@ -89,7 +112,7 @@ class CheckBody:
     def _check_json(body: bytes) -> APIError | None:
         """Parses only bodies that may need it: those with a surrogate escape, and those with
         enough brackets to be nested deeper than a JSON parser recurses."""
-        surrogate = _SURROGATE_ESCAPE.search(body) is not None
+        surrogate = _SURROGATE.search(body) is not None
         if not surrogate and body.count(b"[") + body.count(b"{") < 256:
             return None
         try:
@@ -99,14 +122,7 @@ class CheckBody:
                             code="invalid_json")
         except ValueError:
             return None  # not JSON: the route's own parser says so
-        found = lone_surrogate(data) if surrogate else None
-        if found is None:
-            return None
-        path, index = found
-        where = f" at character {index}" if index >= 0 else " in a key"
-        return APIError(400, f"{path or 'body'}: invalid Unicode{where} (a lone UTF-16 surrogate); "
-                        "strings must be valid Unicode text", param=path or None,
-                        code="invalid_unicode")
+        return unicode_error(lone_surrogate(data)) if surrogate else None
 
 
 class CountRequests:

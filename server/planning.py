@@ -12,6 +12,7 @@ from mixbit.models.loading import prompt_opens_think, render_chat
 from mixbit.models.toolcall import parser_for_template
 
 from .errors import APIError
+from .middleware import reject_invalid_unicode
 from .protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from .sampling import SamplingParams
 
@@ -49,20 +50,21 @@ class Plan:
 
 
 def _sampling(st: ServerState, req, max_tokens: int | None, prompt_len: int,
-              top_logprobs: int) -> SamplingParams:
+              top_logprobs: int, prompt_param: str = "messages",
+              max_param: str = "max_tokens") -> SamplingParams:
     g = st.settings.generation
     room = st.context_length - prompt_len
     if room <= 0:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
-                       f"{st.context_length} tokens", param="messages", code="context_length_exceeded")
+                       f"{st.context_length} tokens", param=prompt_param, code="context_length_exceeded")
     limit = st.settings.server.max_prompt_tokens
     if limit and prompt_len > limit:
         raise APIError(400, f"the prompt has {prompt_len} tokens; server.max_prompt_tokens is "
-                       f"{limit}", param="messages", code="context_length_exceeded")
+                       f"{limit}", param=prompt_param, code="context_length_exceeded")
     if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"max_tokens ({max_tokens}) plus the prompt ({prompt_len} tokens) "
+        raise APIError(400, f"{max_param} ({max_tokens}) plus the prompt ({prompt_len} tokens) "
                        f"exceeds the context of {st.context_length} tokens; at most {room} "
-                       "tokens can be generated", param="max_tokens", code="context_length_exceeded")
+                       "tokens can be generated", param=max_param, code="context_length_exceeded")
     vocab = len(st.lm.tokenizer._tokenizer)
     bias = {}
     for key, value in (req.logit_bias or {}).items():
@@ -75,7 +77,9 @@ def _sampling(st: ServerState, req, max_tokens: int | None, prompt_len: int,
         max_tokens=max_tokens if max_tokens is not None else min(g.max_tokens, room),
         temperature=g.temperature if req.temperature is None else req.temperature,
         top_p=g.top_p if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop_list(),
+        # keeping the k most likely of a vocabulary of at most k tokens keeps them all
+        top_k=req.top_k if req.top_k and req.top_k < vocab else 0,
+        min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop_list(),
         logprobs=bool(req.logprobs), top_logprobs=top_logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=bias)
@@ -95,13 +99,14 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
                 if isinstance(args, str):
                     try:
                         args = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
+                    except (json.JSONDecodeError, RecursionError):
                         raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is "
                                        "not valid JSON", param=f"messages[{i}].tool_calls[{j}]",
                                        code="invalid_value") from None
                 if not isinstance(args, dict):
                     raise APIError(400, "tool call arguments must be a JSON object",
                                    param=f"messages[{i}].tool_calls[{j}]", code="invalid_value")
+                reject_invalid_unicode(args, f"messages[{i}].tool_calls[{j}].function.arguments")
                 calls.append({"type": "function", "id": c.id,
                               "function": {"name": c.function.name, "arguments": args}})
             msg["tool_calls"] = calls
@@ -129,7 +134,8 @@ def chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
                        code="invalid_messages") from None
     ids = st.lm.tokenizer.encode(text, add_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    params = _sampling(st, req, max_tokens, len(ids), req.top_logprobs or 0)
+    params = _sampling(st, req, max_tokens, len(ids), req.top_logprobs or 0,
+                       max_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     opened_think = prompt_opens_think(text)
     parallel = req.parallel_tool_calls is not False
     parser = parser_for_template(st.lm.chat_template)
@@ -187,7 +193,8 @@ def completion_plans(st: ServerState, req: CompletionRequest) -> list[Plan]:
         if not ids:
             raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
         top = int(req.logprobs) if isinstance(req.logprobs, int) and not isinstance(req.logprobs, bool) else 0
-        params = _sampling(st, req, req.max_tokens if req.max_tokens is not None else 16, len(ids), top)
+        params = _sampling(st, req, req.max_tokens if req.max_tokens is not None else 16, len(ids), top,
+                           prompt_param="prompt")
         params.logprobs = req.logprobs is not None and req.logprobs is not False
         plans.append(Plan(kind="completion", prompt_ids=ids, params=params, prompt_text=text,
                           echo=text if req.echo else "", endpoint="/v1/completions"))

@@ -27,12 +27,66 @@ def check_json_schema(schema: Any) -> None:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
+        loop = _ref_loop(schema)
     except RecursionError:
         raise ValueError("the JSON Schema is nested too deeply") from None
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise ValueError(f"not a valid JSON Schema{f' at {where}' if where else ''}: "
                          f"{exc.message[:300]}") from None
+    if loop:
+        raise ValueError(f"the JSON Schema refers to itself without describing any value on the "
+                         f"way ({' -> '.join(loop)}); recursion that consumes no input cannot become a grammar")
+
+
+def _ref_loop(schema: Any) -> list[str] | None:
+    """A cycle of `$ref` / allOf / anyOf / oneOf links that never passes through a property or
+    an item (e.g. {"$ref": "#"}): as a grammar it recurses forever. Local refs only."""
+    def resolve(pointer: str):
+        node = schema
+        for part in pointer.lstrip("#").strip("/").split("/") if pointer.strip("#/") else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def links(pointer: str) -> list[str]:
+        node = resolve(pointer)
+        if not isinstance(node, dict):
+            return []
+        out = []
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out.append("#" + ref[1:] if ref != "#" else "#")
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                out += [f"{pointer.rstrip('/')}/{key}/{i}" for i in range(len(node[key]))]
+        return out
+
+    starts = ["#"]
+    defs = [(k, schema.get(k)) for k in ("$defs", "definitions") if isinstance(schema, dict)]
+    starts += [f"#/{k}/{name}" for k, d in defs if isinstance(d, dict) for name in d]
+    done: set[str] = set()
+    for start in starts:
+        path = [start]
+        stack = [iter(links(start))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                done.add(path.pop())
+                continue
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt in done or len(path) > 1000:
+                continue
+            path.append(nxt)
+            stack.append(iter(links(nxt)))
+    return None
 
 
 class _Lenient(BaseModel):

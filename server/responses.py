@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
+from .middleware import reject_invalid_unicode
 from .protocol import Seed, new_id
 
 
@@ -131,6 +132,7 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
         elif kind == "function_call":
             try:
                 args = json.loads(_field(item, "arguments", where) or "{}")
+                reject_invalid_unicode(args, f"{where}.arguments")
             except (json.JSONDecodeError, RecursionError):
                 raise APIError(400, f"{where}.arguments is not valid JSON", param=f"{where}.arguments",
                                code="invalid_value") from None

@@ -271,3 +271,16 @@ def test_json_escaped_surrogate_pair_is_fine_and_lone_one_is_named():
             assert raw("fine").status_code == 200  # the same connection still serves
     finally:
         s.stop()
+
+
+def test_failing_samplers_in_a_row_leave_the_batch_healthy(engine, loaded_tiny):
+    """top_k beyond the vocabulary raised inside mlx-lm's sampler; two in a row once left the
+    batch generator unable to evaluate anything (every later request a 500)."""
+    prompt = _prompt(loaded_tiny)
+    bad = SamplingParams(max_tokens=6, temperature=1.0, top_k=10**6)
+    good = SamplingParams(max_tokens=6, temperature=0)
+    results = _submit_all(engine, [(prompt, bad, None), (prompt, bad, None), (prompt, good, None)])
+    assert [r.reason for r in results] == ["error", "error", "length"]
+    for _ in range(2):
+        assert _run(engine, prompt, good).reason == "length"
+    assert engine.alive and engine.restarts == 0
