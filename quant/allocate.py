@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .formats import BF16, Format, formats_for
+from .formats import BF16, Format, formats_for, rows_and_width
 from .sensitivity import SensitivityTable
 
 
@@ -40,7 +40,7 @@ class Allocation:
 
 
 def options_for(table: SensitivityTable, path: str, allow_bf16: bool = True) -> list[Option]:
-    n_out, n_in = table.shapes[path][0], table.shapes[path][-1]
+    n_out, n_in = rows_and_width(table.shapes[path])
     opts = [Option(BF16, BF16.nbytes(n_out, n_in), 0.0)] if allow_bf16 else []
     for fmt in formats_for(n_in):
         if fmt.name in table.kld[path]:
@@ -65,7 +65,7 @@ def allocate(table: SensitivityTable, budget_bytes: float, allow_bf16: bool = Tr
     opts = {p: options_for(table, p, allow_bf16) for p in table.kld if p not in fixed}
     pinned = {}
     for p, fmt in fixed.items():
-        n_out, n_in = table.shapes[p][0], table.shapes[p][-1]
+        n_out, n_in = rows_and_width(table.shapes[p])
         kld = 0.0 if fmt.bits == 16 else table.kld[p].get(fmt.name, 0.0)
         pinned[p] = Option(fmt, fmt.nbytes(n_out, n_in), kld)
     room = budget_bytes - sum(o.nbytes for o in pinned.values())

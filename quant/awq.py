@@ -62,50 +62,70 @@ def _error(x: mx.array, members: list[tuple[nn.Module, Format]], s: mx.array | N
     return float(total.item())
 
 
+def group_inputs(layer, h: mx.array) -> dict[str, mx.array]:
+    """The input of each norm-fed projection group of one layer, from the layer's input h."""
+    mask_fa, mask_ssm = _masks(h)
+    mask = mask_ssm if layer.is_linear else mask_fa
+    attn = layer.linear_attn if layer.is_linear else layer.self_attn
+    out = {"input_layernorm": layer.input_layernorm(h)}
+    out["post_attention_layernorm"] = layer.post_attention_layernorm(
+        h + attn(out["input_layernorm"], mask, None))
+    mx.eval(out)
+    return out
+
+
+def _masks(h):
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    return create_attention_mask(h, None), create_ssm_mask(h, None)
+
+
+def awq_layer(i: int, layer, inputs: dict[str, mx.array], plan: dict[str, Format], base: str,
+              max_tokens: int = 2048) -> list[GroupResult]:
+    """Searches and folds AWQ scales into one layer's norms, in place, from the inputs of its
+    norm-fed groups (`group_inputs`). `plan` maps full module paths to formats."""
+    results = []
+    for norm_name, norm, members in _groups(layer):
+        quantized = [(lin, plan[f"{base}.layers.{i}.{name}"]) for name, lin in members
+                     if plan.get(f"{base}.layers.{i}.{name}", Format(16)).bits != 16]
+        if not quantized:
+            continue
+        x = inputs[norm_name]
+        x = x.reshape(-1, x.shape[-1]).astype(mx.float32)[:max_tokens]
+        mean_abs = mx.maximum(mx.abs(x).mean(axis=0), 1e-6)
+        before = _error(x, quantized, None)
+        best = (before, 0.0, None)
+        for alpha in ALPHAS[1:]:
+            s = mean_abs ** alpha
+            s = s / mx.sqrt(s.max() * s.min())
+            err = _error(x, quantized, s)
+            if err < best[0]:
+                best = (err, alpha, s)
+        if best[2] is not None:
+            s = best[2]
+            norm.weight = (norm.weight.astype(mx.float32) / s).astype(norm.weight.dtype)
+            for _, lin in members:  # every consumer of the norm, quantized or not
+                lin.weight = (lin.weight.astype(mx.float32) * s).astype(lin.weight.dtype)
+        results.append(GroupResult(layer=i, norm=norm_name, members=[n for n, _ in members],
+                                   alpha=best[1], error_before=before, error_after=best[0]))
+    return results
+
+
 def apply_awq(model: nn.Module, rows: mx.array, plan: dict[str, Format], prefix: str = "",
               max_tokens: int = 2048) -> list[GroupResult]:
-    """Searches and folds AWQ scales in place for the groups whose members `plan` quantizes.
+    """Searches and folds AWQ scales in place for the groups whose members `plan` quantizes,
+    over a model held in memory (the streamed writer calls `awq_layer` layer by layer).
 
     `plan` maps module paths (as `quantizable()` names them) to formats; `rows` are calibration
     token ids. Returns what was done per group."""
     lm = getattr(model, "language_model", model)
     text = lm.model
-    layers = text.layers
     base = prefix or ("language_model.model" if hasattr(model, "language_model") else "model")
-    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
     h = text.embed_tokens(rows).astype(mx.float32)
-    fa_mask, ssm_mask = create_attention_mask(h, None), create_ssm_mask(h, None)
+    fa_mask, ssm_mask = _masks(h)
     results = []
-    for i, layer in enumerate(layers):
-        mask = ssm_mask if layer.is_linear else fa_mask
-        for norm_name, norm, members in _groups(layer):
-            quantized = [(lin, plan[f"{base}.layers.{i}.{name}"]) for name, lin in members
-                         if plan.get(f"{base}.layers.{i}.{name}", Format(16)).bits != 16]
-            if norm_name == "input_layernorm":
-                x = norm(h)
-            else:
-                attn = layer.linear_attn if layer.is_linear else layer.self_attn
-                x = norm(h + attn(layer.input_layernorm(h), mask, None))
-            if not quantized:
-                continue
-            x = x.reshape(-1, x.shape[-1]).astype(mx.float32)[:max_tokens]
-            mean_abs = mx.maximum(mx.abs(x).mean(axis=0), 1e-6)
-            before = _error(x, quantized, None)
-            best = (before, 0.0, None)
-            for alpha in ALPHAS[1:]:
-                s = mean_abs ** alpha
-                s = s / mx.sqrt(s.max() * s.min())
-                err = _error(x, quantized, s)
-                if err < best[0]:
-                    best = (err, alpha, s)
-            if best[2] is not None:
-                s = best[2]
-                norm.weight = (norm.weight.astype(mx.float32) / s).astype(norm.weight.dtype)
-                for _, lin in members:  # every consumer of the norm, quantized or not
-                    lin.weight = (lin.weight.astype(mx.float32) * s).astype(lin.weight.dtype)
-            results.append(GroupResult(layer=i, norm=norm_name, members=[n for n, _ in members],
-                                       alpha=best[1], error_before=before, error_after=best[0]))
-        h = layer(h, mask=mask, cache=None)
+    for i, layer in enumerate(text.layers):
+        results += awq_layer(i, layer, group_inputs(layer, h), plan, base, max_tokens)
+        h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=None)
         mx.eval(h)
     return results

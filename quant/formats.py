@@ -46,15 +46,38 @@ def formats_for(n_in: int) -> list[Format]:
     return [Format(b, g) for b in BITS for g in GROUPS if n_in % g == 0]
 
 
+def _quantizable_types() -> tuple[type, ...]:
+    from mlx_lm.models.switch_layers import SwitchLinear  # MoE experts, stacked [experts, out, in]
+
+    return (nn.Linear, nn.Embedding, SwitchLinear)
+
+
 def quantizable(model: nn.Module) -> dict[str, nn.Module]:
-    """Path -> module for every Linear / Embedding whose weight MLX can quantize."""
+    """Path -> module for every Linear / Embedding / stacked-expert linear whose weight MLX can
+    quantize."""
     out = {}
     for path, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(
-                module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(module, _quantizable_types()) and not isinstance(
+                module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and "weight" in module:
             if module.weight.shape[-1] % min(GROUPS) == 0:
                 out[path] = module
     return dict(sorted(out.items()))
+
+
+def rows_and_width(shape) -> tuple[int, int]:
+    """(rows, input width) of a weight of any rank: [out, in] or [experts, out, in]."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return rows, int(shape[-1])
+
+
+def is_gate(path: str) -> bool:
+    """An MoE router or shared-expert gate: tiny, and every token's routing depends on it."""
+    return path.endswith("mlp.gate") or path.endswith("shared_expert_gate")
+
+
+GATE_FORMAT_BITS = 8  # routers and gates never below this
 
 
 def fake_quantize(w: mx.array, fmt: Format) -> mx.array:

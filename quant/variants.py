@@ -22,7 +22,8 @@ from typing import Callable
 from mixbit.models.registry import ResolvedModel
 
 from . import artifact
-from .formats import Format, quantizable
+from .formats import GATE_FORMAT_BITS, Format, is_gate, rows_and_width
+from .progress import Progress, from_callback
 from .recipes import DEFAULT_TARGET_BPW, RECIPES, static_plan
 
 log = logging.getLogger("mixbit.quant")
@@ -37,6 +38,10 @@ class Variant:
 
 
 EVALUATION_MODULES = {"compare.py", "evaluate.py", "report.py"}
+AWQ_RECIPES = ("mixbit-auto", "unsloth-static")
+# mixbit-auto's time for sensitivity: the exact ablation when it fits (the embedded model),
+# else as many probes as fit (real sizes); see probe.py
+DEFAULT_SENSITIVITY_SECONDS = 120.0
 
 
 def code_digest() -> str:
@@ -82,17 +87,14 @@ def variant_key(source_digest: str, recipe: str, target_bpw: float | None, calib
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _shapes(folder: Path) -> dict[str, list[int]]:
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(folder, lazy=True)
-    return {p: list(m.weight.shape) for p, m in quantizable(model).items()}
-
-
 def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str | None = None,
-                   progress: Callable[[str], None] | None = None, target_bpw: float | None = None,
-                   calibration: str | None = None, sensitivity: str = "auto") -> Variant:
-    say = progress or (lambda msg: log.info(msg))
+                   progress: Callable[[str], None] | Progress | None = None,
+                   target_bpw: float | None = None, calibration: str | None = None,
+                   sensitivity: str = "auto",
+                   sensitivity_seconds: float = DEFAULT_SENSITIVITY_SECONDS) -> Variant:
+    """`progress`: a Progress (stages, step k of n, ETA) or a plain `say(str)` callback."""
+    prog = progress if isinstance(progress, Progress) else from_callback(progress or log.info)
+    say = prog.say
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; available: {', '.join(RECIPES)}")
     if resolved.quantized:
@@ -112,9 +114,10 @@ def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str
         target_bpw = DEFAULT_TARGET_BPW
     calib_id = "builtin" if not calibration else "self" if calibration == "self" else \
         artifact.sha256_file(Path(calibration))[:16]
-    method = sensitivity_method(resolved, sensitivity) if recipe == "mixbit-auto" else None
-    key = variant_key(weights_digest(resolved.path, root), recipe, target_bpw,
-                      calib_id + (f"+{method}" if method and method != "ablation" else ""))
+    method = ""
+    if recipe == "mixbit-auto" and sensitivity != "ablation":
+        method = f"+{sensitivity}" + (f"@{sensitivity_seconds:g}s" if sensitivity in ("auto", "probe") else "")
+    key = variant_key(weights_digest(resolved.path, root), recipe, target_bpw, calib_id + method)
     dst = variants / key
     if dst.exists():
         started = time.time()
@@ -125,9 +128,8 @@ def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str
                            manifest={**(_read_recipe(dst) or {}), "source": resolved.source})
         log.warning("cached variant %s is damaged (%s); rebuilding it", dst, problem)
         shutil.rmtree(dst, ignore_errors=True)
-    quantize(resolved, recipe, dst, target_bpw=target_bpw, calibration=calibration, progress=say,
-             sensitivity=sensitivity,
-             cache_root=root)
+    quantize(resolved, recipe, dst, target_bpw=target_bpw, calibration=calibration, progress=prog,
+             sensitivity=sensitivity, sensitivity_seconds=sensitivity_seconds, cache_root=root)
     return Variant(path=dst, recipe=recipe, source=resolved,
                    manifest={**(_read_recipe(dst) or {}), "source": resolved.source})
 
@@ -142,119 +144,212 @@ def _read_recipe(folder: Path) -> dict | None:
 
 
 def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float | None = None,
-             calibration: str | None = None, progress: Callable[[str], None] | None = None,
-             cache_root: Path | None = None, sensitivity: str = "auto") -> dict:
-    """Builds the variant folder `dst` for `recipe`; returns its recipe.json content."""
-    say = progress or (lambda msg: log.info(msg))
-    started = time.time()
-    root = cache_root or dst.parent.parent
-    digest = weights_digest(resolved.path, root)
-    shapes = _shapes(resolved.path)
-    extra: dict = {}
-    if recipe == "mixbit-auto":
-        formats, extra = _auto_plan(resolved, root, digest, target_bpw or DEFAULT_TARGET_BPW,
-                                    calibration, say, sensitivity_method(resolved, sensitivity))
-    else:
-        formats = static_plan(recipe, shapes).formats
-    say(f"recipe {recipe}: quantizing {len(formats)} tensors")
-    manifest = _manifest(resolved, recipe, formats, shapes, target_bpw)
-    manifest["source"]["weights_sha256"] = digest
-    for path, info in extra.pop("tensors", {}).items():
-        manifest["tensors"][path].update(info)
-    manifest.update(extra)
-    transform = _awq_transform(resolved, formats, manifest, calibration, say, root) \
-        if recipe in AWQ_RECIPES else None
+             calibration: str | None = None, progress: Callable[[str], None] | Progress | None = None,
+             cache_root: Path | None = None, sensitivity: str = "auto",
+             sensitivity_seconds: float = DEFAULT_SENSITIVITY_SECONDS,
+             plan: dict[str, Format] | None = None) -> dict:
+    """Builds the variant folder `dst` for `recipe` layer by layer (memory: the checkpoint's own
+    bytes plus one layer in float32); resumes a killed run of the same variant. `plan` replaces
+    the recipe's formats (benchmarks build deliberately damaged variants with it). Returns the
+    recipe.json content."""
     from mlx_lm.utils import load_tokenizer
 
     from . import calibration as calib
+    from .stream import LayerStream
+    from .writer import finalize, write_streamed
 
-    # small: it runs in the checkpoint's own dtype (bf16 is slow on CPU); `mixbit eval --variants`
-    # measures fidelity on more data in float32
-    heldout = calib.build(load_tokenizer(resolved.path), n_rows=4, length=64, split="heldout")
-    artifact.write_variant(resolved.path, dst, formats, manifest, transform=transform,
-                           fidelity_rows=heldout.rows)
-    manifest["seconds"] = round(time.time() - started, 1)
-    say(f"recipe {recipe}: wrote {dst} ({manifest['bits_per_weight']:.2f} bits per weight, measured "
-        f"KLD {manifest.get('measured_kld', float('nan')):.4f}) in {manifest['seconds']}s")
+    prog = progress if isinstance(progress, Progress) else from_callback(progress or log.info)
+    started = time.time()
+    root = cache_root or dst.parent.parent
+    digest = weights_digest(resolved.path, root)
+    partial = dst.parent / f".{dst.name}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    with _exclusive(partial, prog):
+        stream = LayerStream(resolved.path)
+        _note_extras(resolved.path)
+        shapes = {p: list(m.weight.shape) for p, m in stream.all_tensors().items()}
+        extra: dict = {}
+        awq = recipe in AWQ_RECIPES and plan is None
+        cal = None
+        if recipe == "mixbit-auto" and plan is None or awq:
+            prog.stage("calibration", 0, "chat, code and tool-calling text")
+            cal = calib.for_quantization(resolved, calibration, root)
+        if plan is not None:
+            formats = dict(plan)
+        elif recipe == "mixbit-auto":
+            formats, extra = _auto_plan(stream, cal, root, digest, target_bpw or DEFAULT_TARGET_BPW,
+                                        prog, sensitivity, sensitivity_seconds, shapes)
+        else:
+            formats = with_gates(static_plan(recipe, shapes).formats, shapes)
+        say = prog.say
+        say(f"recipe {recipe}: quantizing {sum(f.bits != 16 for f in formats.values())} of "
+            f"{len(formats)} tensors")
+        manifest = _manifest(resolved, recipe, formats, shapes, target_bpw)
+        manifest["source"]["weights_sha256"] = digest
+        for path, info in extra.pop("tensors", {}).items():
+            manifest["tensors"][path].update(info)
+        manifest.update(extra)
+        # the quantize-time check: small, float32, dequantized (`mixbit eval --variants`
+        # measures fidelity on more data)
+        heldout = calib.build(load_tokenizer(resolved.path), n_rows=4, length=64, split="heldout")
+        result = write_streamed(stream, partial, formats, dst.name, cal_rows=cal.rows if awq else None,
+                                heldout_rows=heldout.rows, awq=awq, progress=prog)
+        manifest["measured_kld"] = result.measured_kld
+        manifest["measured_top1"] = result.measured_top1
+        if awq:
+            _record_awq(manifest, result.awq, stream.prefix)
+        if result.mtp:
+            manifest["mtp"] = {"kept": True, "tensors": result.mtp,
+                               "note": "the MTP head, quantized like its tensor class; mlx-lm "
+                                       "drops it on load, self-speculative decoding can use it"}
+        prog.stage("finishing", 0, "checksums and rename")
+        manifest["seconds"] = round(time.time() - started, 1)
+        manifest["stages_s"] = dict(prog.stage_seconds)
+        finalize(stream, partial, dst, formats, manifest)
+    prog.finish()
+    log.info("recipe %s: wrote %s (%.2f bits per weight, measured KLD %.4f) in %.1fs", recipe, dst,
+             manifest["bits_per_weight"], manifest.get("measured_kld", float("nan")), manifest["seconds"])
     return manifest
 
 
-AWQ_RECIPES = ("mixbit-auto", "unsloth-static")
+class _exclusive:
+    """One process builds a variant at a time (replicas sharing a cache wait for the first)."""
+
+    def __init__(self, folder: Path, prog: Progress):
+        self.path, self.prog = folder.parent / f"{folder.name}.lock", prog
+
+    def __enter__(self):
+        import fcntl
+
+        self.fh = open(self.path, "w")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.prog.say("another process is building this variant; waiting for it")
+            fcntl.flock(self.fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()  # the (empty) lock file stays: unlinking it would race a waiter
 
 
-def _awq_transform(resolved: ResolvedModel, formats: dict[str, Format], manifest: dict,
-                   calibration: str | None, say: Callable[[str], None], root: Path) -> Callable:
-    """AWQ scales searched on calibration activations and folded into the norms, recorded in
-    the manifest (alpha per group, and which tensors were scaled)."""
-    from . import calibration as calib
-    from .awq import apply_awq
+def _note_extras(folder: Path) -> None:
+    """One log line about what published checkpoints carry beside the text model."""
+    import json as _json
 
-    def transform(model) -> None:
-        say("AWQ: searching activation-aware scales")
-        cal = calib.for_quantization(resolved, calibration, root)
-        groups = apply_awq(model, cal.rows, formats)
-        prefix = next(iter(formats)).split(".layers.")[0] if formats else ""
-        for g in groups:
-            for member in g.members:
-                path = f"{prefix}.layers.{g.layer}.{member}"
-                if path in manifest["tensors"]:
-                    manifest["tensors"][path]["awq"] = g.alpha > 0
-                    manifest["tensors"][path]["awq_alpha"] = g.alpha
-        manifest["awq"] = {"groups": len(groups), "scaled": sum(g.alpha > 0 for g in groups),
-                           "error_reduction": round(1 - sum(g.error_after for g in groups)
-                                                    / max(sum(g.error_before for g in groups), 1e-12), 4)}
-
-    return transform
+    try:
+        index = _json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    except (OSError, ValueError, KeyError):
+        return
+    visual = sum(1 for k in index if k.startswith(("model.visual.", "vision_tower.")))
+    if visual:
+        log.info("the vision tower (%d tensors) is not part of the variant: mixbit serves text", visual)
 
 
-ABLATION_LIMIT = 400  # (tensor, bits) pairs; above it "auto" uses the Fisher estimate
+def with_gates(formats: dict[str, Format], shapes: dict[str, list[int]]) -> dict[str, Format]:
+    """MoE routers and shared-expert gates at >= 8 bits whatever the recipe says."""
+    out = dict(formats)
+    for path, shape in shapes.items():
+        if is_gate(path) and (out.get(path) is None or out[path].bits < GATE_FORMAT_BITS):
+            g = 64 if shape[-1] % 64 == 0 else 32
+            out[path] = Format(GATE_FORMAT_BITS, g)
+    return out
 
 
-def sensitivity_method(resolved: ResolvedModel, choice: str = "auto") -> str:
-    """ablation or fisher: ablation costs a forward pass per (tensor, bit width)."""
+def _record_awq(manifest: dict, groups: list, prefix: str) -> None:
+    for layer, _norm, members, alpha, _before, _after in groups:
+        for member in members:
+            path = f"{prefix}.layers.{layer}.{member}"
+            if path in manifest["tensors"]:
+                manifest["tensors"][path]["awq"] = alpha > 0
+                manifest["tensors"][path]["awq_alpha"] = alpha
+    before = sum(g[4] for g in groups)
+    manifest["awq"] = {"groups": len(groups), "scaled": sum(g[3] > 0 for g in groups),
+                       "error_reduction": round(1 - sum(g[5] for g in groups) / max(before, 1e-12), 4)}
+
+
+def choose_method(choice: str, n_tensors: int, n_bits: int, fp, budget_s: float, n_layers: int) -> str:
+    """auto: the exact ablation when every (tensor, bits) probe fits the time budget, else
+    probes (as many as fit). A probe costs about half a forward pass on the probe rows."""
     if choice != "auto":
         return choice
-    from .formats import BITS
+    per_layer = sum(fp.layer_seconds) / max(n_layers, 1) * fp.probe_rows.shape[0] / fp.rows_total
+    mean_probe = per_layer * n_layers / 2 + fp.head_seconds
+    return "ablation" if mean_probe * n_tensors * n_bits <= budget_s else "probe"
 
-    return "ablation" if len(_shapes(resolved.path)) * len(BITS) <= ABLATION_LIMIT else "fisher"
 
-
-def _auto_plan(resolved: ResolvedModel, root: Path, digest: str, target_bpw: float,
-               calibration: str | None, say: Callable[[str], None],
-               method: str = "ablation") -> tuple[dict, dict]:
+def _auto_plan(stream, cal, root: Path, digest: str, target_bpw: float, prog: Progress,
+               sensitivity: str, budget_s: float, shapes: dict) -> tuple[dict, dict]:
     """Measure (or reuse the saved table), then allocate bits under the budget."""
-    from mixbit.models.loading import load
-
-    from . import calibration as calib
     from .allocate import allocate, budget_for_bpw
-    from .sensitivity import SensitivityTable, fisher_estimate, measure
+    from .formats import BITS
+    from .probe import estimate, first_pass
+    from .sensitivity import SensitivityTable
 
-    lm = load(resolved, "auto")
-    cal = calib.for_quantization(resolved, calibration, root)
-    suffix = "" if method == "ablation" else f"-{method}"
-    table_path = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}{suffix}.json"
-    if table_path.is_file():
-        table = SensitivityTable.from_json(json.loads(table_path.read_text()))
-        say(f"sensitivity table reused: {table_path}")
-    else:
-        last = [0.0]
-
-        def tick(done: int, total: int, path: str) -> None:
-            if time.time() - last[0] > 2 or done == total:
-                last[0] = time.time()
-                say(f"measuring sensitivity {done}/{total}: {path}")
-
-        say(f"sensitivity by {method}")
-        table = measure(lm.model, cal, progress=tick) if method == "ablation" else \
-            fisher_estimate(lm.model, cal, progress=tick)
+    prefix = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}"
+    saved = {m: Path(f"{prefix}{'' if m == 'ablation' else '-' + m}.json")
+             for m in ("ablation", "probe", "fisher")}
+    wanted = [sensitivity] if sensitivity != "auto" else ["ablation", "probe"]
+    found = next((saved[m] for m in wanted if saved[m].is_file()), None)
+    if found is not None:
+        table = SensitivityTable.from_json(json.loads(found.read_text()))
+        prog.say(f"sensitivity table reused: {found}")
+        method, table_path = table.meta.get("method", "ablation"), found
+    elif sensitivity == "fisher":
+        table, method, table_path = _fisher(stream, cal, prog), "fisher", saved["fisher"]
         table_path.parent.mkdir(parents=True, exist_ok=True)
         table.save(table_path)
-    alloc = allocate(table, budget_for_bpw(table, target_bpw))
+    else:
+        fp = first_pass(stream, cal.rows, prog)
+        method = choose_method(sensitivity, len(shapes), len(BITS), fp, budget_s, len(stream.layers))
+        table_path = saved[method]
+        probes_path = table_path.with_suffix(".probes.json")
+        try:
+            done = json.loads(probes_path.read_text())
+        except (OSError, ValueError):
+            done = {}
+        table_path.parent.mkdir(parents=True, exist_ok=True)
+
+        def keep(measured: dict) -> None:  # a killed run resumes with these probes
+            tmp = probes_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(measured))
+            tmp.replace(probes_path)
+
+        table = estimate(stream, fp, budget_s, exact_all_bits=method == "ablation", progress=prog,
+                         done=done, on_probe=keep)
+        table.meta["calibration"] = cal.provenance
+        table.save(table_path)
+        probes_path.unlink(missing_ok=True)
+        del fp
+    prog.stage("allocation", 0, f"{target_bpw} bits per weight")
+    fixed = {p: f for p, f in with_gates({}, shapes).items() if p in table.kld}
+    alloc = allocate(table, budget_for_bpw(table, target_bpw), fixed=fixed)
     tensors = {p: {"sensitivity_kld": round(o.kld, 6), "sensitivity_q4g64": table.kld[p].get("q4g64")}
                for p, o in alloc.choice.items()}
     return alloc.formats(), {"tensors": tensors, "predicted_kld": alloc.predicted_kld,
                              "calibration": cal.provenance, "sensitivity_table": str(table_path),
-                             "sensitivity_method": method}
+                             "sensitivity_method": method,
+                             "sensitivity_probes": table.meta.get("probes")}
+
+
+def _fisher(stream, cal, prog: Progress):
+    """The diagonal-Fisher estimate needs the whole model and its gradients in memory (about
+    16 bytes per parameter): refused when that does not fit."""
+    from mixbit.models.loading import load
+    from mixbit.models.registry import resolve
+
+    from .sensitivity import fisher_estimate
+
+    params = sum(m.weight.size for m in stream.all_tensors().values())
+    need = 16 * params
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > 0.8 * avail:
+        raise MemoryError(f"quant.sensitivity = fisher needs about {need / 1e9:.1f} GB for "
+                          f"{params / 1e6:.0f}M parameters; {avail / 1e9:.1f} GB are free. Use "
+                          "auto or probe (streamed, forward-only)")
+    prog.stage("sensitivity", cal.rows.shape[0], "fisher")
+    lm = load(resolve(str(stream.folder)), "auto")
+    return fisher_estimate(lm.model, cal, progress=lambda k, n, _: prog.step(k, n))
 
 
 def _manifest(resolved: ResolvedModel, recipe: str, formats: dict[str, Format],
@@ -263,7 +358,7 @@ def _manifest(resolved: ResolvedModel, recipe: str, formats: dict[str, Format],
     total_bytes = 0.0
     total_params = 0
     for path, fmt in formats.items():
-        n_out, n_in = shapes[path][0], shapes[path][-1]
+        n_out, n_in = rows_and_width(shapes[path])
         nbytes = fmt.nbytes(n_out, n_in)
         tensors[path] = {"bits": fmt.bits, "group_size": fmt.group_size, "format": fmt.name,
                          "bytes": int(nbytes), "awq": False}

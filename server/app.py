@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from mixbit.models.grammar import GrammarEngine
 from mixbit.models.loading import load
 from mixbit.models.registry import ModelSourceError, resolve
+from mixbit.quant.progress import Progress
 from mixbit.quant.variants import ensure_variant
 
 from . import errors
@@ -61,7 +62,8 @@ def ensure_shared_variant(s: Settings, resolved, progress, group=None):
         return ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress,
                               target_bpw=s.quant.target_bpw if s.quant.recipe == "mixbit-auto" else None,
                               calibration=s.quant.calibration or None,
-                              sensitivity=s.quant.sensitivity)
+                              sensitivity=s.quant.sensitivity,
+                              sensitivity_seconds=s.quant.sensitivity_seconds)
 
     if group is None or group.size() == 1:
         return ensure()
@@ -109,11 +111,13 @@ def start_loading(state: ServerState) -> threading.Thread:
                                s.model.allow_download)
             state.status = "quantizing"
 
-            def progress(msg: str) -> None:
-                state.detail = msg
-                log.info(msg)
+            def update(snap) -> None:
+                state.detail = snap.line()
+                log.info(state.detail)
 
-            variant = ensure_shared_variant(s, resolved, progress, state.group)
+            state.startup = Progress(on_update=update)
+            variant = ensure_shared_variant(s, resolved, state.startup, state.group)
+            state.startup = None
             state.status, state.detail = "loading", f"loading {variant.path}"
             lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group,
                       cpu_quantized=s.generation.cpu_quantized)
@@ -287,6 +291,8 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
     async def ready():
         body = {"status": state.status, "detail": state.detail,
                 "uptime_s": round(time.time() - state.started, 1)}
+        if state.startup is not None:  # stage, step k of n, ETA of the stage
+            body["progress"] = state.startup.snapshot().as_dict()
         if state.engine is not None:
             e = state.engine.stats
             body["engine"] = {"running": e.running, "waiting": e.waiting, "in_flight": state.inflight,

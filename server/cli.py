@@ -190,6 +190,7 @@ def cmd_quantize(args) -> int:
     from tqdm import tqdm
 
     from mixbit.models.registry import resolve
+    from mixbit.quant.progress import Progress
     from mixbit.quant.variants import ensure_variant, quantize
 
     settings = _settings(args, QUANT_FLAGS)
@@ -201,9 +202,7 @@ def cmd_quantize(args) -> int:
                             "unsloth-static or mixbit-auto")
     resolved = resolve(m.source, m.revision, m.hub_cache_dir or None, m.allow_download)
     bar = tqdm(desc=f"quantize {q.recipe}", bar_format="{desc}: {elapsed} {postfix}")
-
-    def progress(msg: str) -> None:
-        bar.set_postfix_str(msg)
+    progress = Progress(on_update=lambda snap: bar.set_postfix_str(snap.line()), log_every_s=1.0)
 
     bpw = q.target_bpw if q.recipe == "mixbit-auto" else None
     if args.out:
@@ -211,12 +210,13 @@ def cmd_quantize(args) -> int:
         if out.exists():
             raise SettingsError(f"--out {out} exists; choose a new folder")
         manifest = quantize(resolved, q.recipe, out, target_bpw=bpw, calibration=q.calibration or None,
-                            sensitivity=q.sensitivity,
+                            sensitivity=q.sensitivity, sensitivity_seconds=q.sensitivity_seconds,
                             progress=progress, cache_root=Path(m.cache_dir).expanduser())
         path = out
     else:
         variant = ensure_variant(resolved, q.recipe, m.cache_dir, progress, target_bpw=bpw,
-                                 calibration=q.calibration or None, sensitivity=q.sensitivity)
+                                 calibration=q.calibration or None, sensitivity=q.sensitivity,
+                                 sensitivity_seconds=q.sensitivity_seconds)
         manifest, path = variant.manifest, variant.path
     bar.close()
     print(json.dumps({"path": str(path), "recipe": q.recipe,

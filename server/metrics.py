@@ -63,6 +63,17 @@ class _EngineCollector:
         except Exception:  # noqa: BLE001 - a backend without memory stats
             pass
         yield g("mixbit_ready", "1 when the model is loaded and serving", value=1 if st.ready else 0)
+        if st.startup is not None:
+            snap = st.startup.snapshot()
+            if snap.stage:
+                done = g("mixbit_startup_progress_ratio", "Share of the current start-up stage "
+                         "done (step k of n)", labels=["stage"])
+                done.add_metric([snap.stage], snap.step / snap.total if snap.total else 0.0)
+                yield done
+                eta = g("mixbit_startup_eta_seconds", "Estimated seconds left in the current "
+                        "start-up stage", labels=["stage"])
+                eta.add_metric([snap.stage], snap.eta_s if snap.eta_s is not None else float("nan"))
+                yield eta
         fid = st.fidelity
         if fid is not None:
             yield g("mixbit_fidelity_queue_depth", "Spot checks waiting for the reference",

@@ -40,10 +40,14 @@ class QuantSettings(_Section):
     target_bpw: float = Field(4.5, ge=2.5, le=16.0, description="mixbit-auto's budget in bits per weight")
     calibration: str = Field("", description="JSONL file of extra calibration chats; \"self\": the "
                              "model's own completions of the built-in prompts; empty: built-in")
-    sensitivity: Literal["auto", "ablation", "fisher"] = Field(
-        "auto", description="mixbit-auto's sensitivity measure: ablation (one tensor quantized at "
-        "a time, exact KLD), fisher (diagonal Fisher estimate, a few backward passes), auto: "
-        "ablation up to 400 (tensor, bits) pairs, fisher above")
+    sensitivity: Literal["auto", "ablation", "probe", "fisher"] = Field(
+        "auto", description="mixbit-auto's sensitivity measure: ablation (every tensor quantized "
+        "alone at every bit width, exact KLD), probe (exact at 4 bits for as many tensors as "
+        "sensitivity_seconds allows, activation-weighted errors for the rest; forward-only, one "
+        "layer in memory), fisher (diagonal Fisher; whole model and gradients in memory), auto: "
+        "ablation when it fits sensitivity_seconds, else probe")
+    sensitivity_seconds: float = Field(120.0, gt=0, description="time budget of the sensitivity "
+                                       "measurement at a first start (auto and probe)")
 
 
 class ServerSettings(_Section):

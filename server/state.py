@@ -10,6 +10,7 @@ from typing import Any
 
 from mixbit.models.grammar import GrammarEngine
 from mixbit.models.loading import LoadedModel
+from mixbit.quant.progress import Progress
 
 from .engine import Engine
 from .fidelity import FidelityWorker
@@ -37,6 +38,7 @@ class ServerState:
     context_length: int = 4096
     inflight: int = 0
     draining: bool = False
+    startup: Progress | None = None  # quantization progress during a first start
 
     @property
     def ready(self) -> bool:

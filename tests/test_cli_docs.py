@@ -118,3 +118,11 @@ def test_help_shows_kebab_case_and_the_documented_form_runs():
     assert '"target_bpw": 3.5' in out.stdout
     out = run_cli("config", "--target_bpw", "5.0")
     assert out.returncode == 0 and '"target_bpw": 5.0' in out.stdout
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "tests" / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_scripts_compile(script):
+    """The docs tell users to run these: a syntax error must not wait for someone to try."""
+    import py_compile
+
+    py_compile.compile(str(script), doraise=True)

@@ -79,7 +79,7 @@ def test_crash_while_writing_leaves_no_entry(tmp_path, tiny, monkeypatch):
     monkeypatch.setattr(mx, "save_safetensors", real_save)
     v = ensure_variant(tiny, "uniform-4", cache_dir=str(tmp_path))
     assert artifact.verify(v.path) is None
-    assert [p.name for p in variants.iterdir()] == [v.path.name]  # the partial folder was removed
+    assert [p.name for p in variants.iterdir() if not p.name.endswith(".lock")] == [v.path.name]
 
 
 def test_killed_quantize_leaves_nothing_to_serve(tmp_path):

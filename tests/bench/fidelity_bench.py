@@ -11,7 +11,7 @@
    otherwise), the same load at concurrency 8 in alternating rounds (`--rounds`), aggregate
    output tokens/s per round, median and best; before each round the spot-checked server
    finishes its queued checks so they never land on the other server's round.
-""""""
+"""
 
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ def damaged_variant(pattern: str = "linear_attn.out_proj") -> Path:
     """mixbit-auto's plan with every tensor whose path contains `pattern` (alternatives split by
     `|`; `.` matches every tensor) at 2 bits, written by quant's own writer."""
     from mixbit.models.registry import resolve
-    from mixbit.quant import artifact
     from mixbit.quant.formats import Format
     from mixbit.quant.variants import ensure_variant
 
@@ -52,12 +51,9 @@ def damaged_variant(pattern: str = "linear_attn.out_proj") -> Path:
     slug = pattern.replace(".", "-").replace("|", "+") if pattern != "." else "all"
     dst = ROOT / ".cache" / f"damaged-{slug}-2bit-{auto.path.name}"
     if not dst.exists():
-        from mixbit.quant import calibration as calib
-        from mlx_lm.utils import load_tokenizer
+        from mixbit.quant.variants import quantize
 
-        rows = calib.build(load_tokenizer(resolved.path), n_rows=4, length=64, split="heldout").rows
-        artifact.write_variant(resolved.path, dst, plan, {**manifest, "recipe": f"damaged-{pattern}-2bit"},
-                               fidelity_rows=rows)
+        quantize(resolved, f"damaged-{pattern}-2bit", dst, plan=plan, cache_root=CACHE)
     return dst
 
 

@@ -1,0 +1,303 @@
+"""Sensitivity that scales: measured layer by layer, forward passes only, within a time budget.
+
+What the exact ablation measures - the KL divergence of the model's next-token distribution when
+one tensor alone is quantized - is split into two factors:
+
+- how much a format disturbs the tensor's *output* on real inputs: the activation-weighted error
+  E(t, f) = sum_j imp_j * sum_i (W - Q_f(W))_ij^2, with imp_j the mean square of input channel j
+  on the calibration tokens (llama.cpp's importance matrix). It costs one fake-quantization per
+  (tensor, format) and no forward pass; it orders the formats of one tensor.
+- how much that output disturbance moves the final distribution: alpha(t) = KLD / E, measured by
+  a *probe*, the exact ablation at one format (4 bits), run from the tensor's own layer onwards
+  on a few calibration rows whose layer inputs were kept from the first pass.
+
+KLD(t, f) ~ alpha(t) * E(t, f). Probes are spent in order of information (every tensor class at
+its middle layer, then first and last layers, then halving the gaps) while the budget lasts;
+a tensor left unprobed takes the alpha of its class interpolated over depth (log-linear). With
+budget for every tensor it is per-tensor exact at 4 bits; with budget for every (tensor, bits)
+pair the exact ablation is run instead (`method = "ablation"`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .formats import BITS, Format, fake_quantize, formats_for, tensor_class
+from .progress import Progress
+from .sensitivity import SensitivityTable, layer_of
+from .stream import LayerStream, kld_rows
+
+PROBE_BITS = 4
+REF_BYTES = 256 << 20  # reference log-probabilities kept for probes (rows x vocabulary x 4 bytes)
+ROW_CHUNK = 32768  # rows of a big tensor fake-quantized at a time
+
+
+@dataclass
+class FirstPass:
+    """What one forward pass over the calibration rows leaves for the probes and the errors."""
+    imp: dict[str, mx.array]  # tensor path -> mean square of each input channel
+    inputs: list[mx.array]  # hidden states entering layer l (l = 0..L), probe rows only
+    ref: mx.array  # reference log-probabilities of the probe rows, [tokens, vocab]
+    probe_rows: mx.array
+    rows_total: int = 1
+    layer_seconds: list[float] = field(default_factory=list)
+    head_seconds: float = 0.0
+
+
+def probe_row_count(stream: LayerStream, rows: mx.array) -> int:
+    per_row = rows.shape[1] * stream.vocab * 4
+    return max(1, min(rows.shape[0], REF_BYTES // per_row))
+
+
+def first_pass(stream: LayerStream, rows: mx.array, progress: Progress | None = None) -> FirstPass:
+    n_probe = probe_row_count(stream, rows)
+    record: dict = {}
+    h = stream.embed(rows)
+    inputs = [mx.array(h[:n_probe])]
+    mx.eval(inputs[0])
+    seconds = []
+    n = len(stream.layers)
+    if progress:
+        progress.stage("activations", n, f"{rows.shape[0]}x{rows.shape[1]} calibration tokens")
+    for i in range(n):
+        t = time.time()
+        h = stream.run_layer(i, h, record)
+        inputs.append(mx.array(h[:n_probe]))
+        mx.eval(inputs[-1])
+        seconds.append(time.time() - t)
+        if progress:
+            progress.step(i + 1)
+    normed = stream.final_norm(h)
+    flat = normed.reshape(-1, normed.shape[-1])
+    head_imp = (flat * flat).mean(axis=0)
+    t = time.time()
+    ref = stream.logprobs(normed[:n_probe].reshape(-1, normed.shape[-1]))
+    head_s = time.time() - t
+    imp = {p: sq / count for p, (sq, count) in record.items()}
+    imp[stream.head_path] = head_imp  # the head's input: final normed hidden states
+    if not stream.tied:  # untied embeddings: rows weighted by how often their token occurs
+        counts = mx.zeros((stream.vocab,), dtype=mx.float32).at[rows.reshape(-1)].add(1.0)
+        imp[f"{stream.prefix}.embed_tokens"] = counts / rows.size
+    mx.eval(imp)
+    return FirstPass(imp=imp, inputs=inputs, ref=ref, probe_rows=rows[:n_probe],
+                     rows_total=rows.shape[0], layer_seconds=seconds, head_seconds=head_s)
+
+
+def weighted_error(w: mx.array, fmt: Format, imp: mx.array, by_row: bool = False) -> float:
+    """E(t, f): squared quantization error weighted by input-channel importance (or, for an
+    untied embedding, by row frequency), in row chunks so big tensors stay bounded."""
+    flat = w.reshape(-1, w.shape[-1])
+    total = 0.0
+    for start in range(0, flat.shape[0], ROW_CHUNK):
+        chunk = flat[start:start + ROW_CHUNK]
+        d = chunk.astype(mx.float32) - fake_quantize(chunk, fmt).astype(mx.float32)
+        sq = d * d
+        if by_row:
+            total += float((sq.sum(axis=1) * imp[start:start + ROW_CHUNK]).sum().item())
+        else:
+            total += float((sq.sum(axis=0) * imp).sum().item())
+    return total
+
+
+def probe_kld(stream: LayerStream, fp: FirstPass, path: str, module: nn.Module, fmt: Format) -> float:
+    """The exact ablation of one (tensor, format) on the probe rows."""
+    w = module.weight
+    module.weight = fake_quantize(w, fmt)
+    try:
+        start = layer_of(path)
+        if start == 0 or path.endswith("embed_tokens"):
+            h, first = stream.embed(fp.probe_rows), 0
+        else:
+            first = min(start, len(stream.layers))
+            h = fp.inputs[first]
+        for i in range(first, len(stream.layers)):
+            h = stream.run_layer(i, h)
+        normed = stream.final_norm(h).reshape(-1, h.shape[-1])
+        got = stream.logprobs(normed)
+        kld = float(kld_rows(fp.ref, got).mean().item())
+    finally:
+        module.weight = w
+    return max(kld, 0.0)
+
+
+def probe_format(shape) -> Format:
+    n_in = shape[-1]
+    return Format(PROBE_BITS, 64 if n_in % 64 == 0 else 32)
+
+
+def probe_order(paths: list[str]) -> list[str]:
+    """Tensors in the order a probe teaches most: outer tensors, each class at its middle
+    layer, then at its first and last, then halving the gaps, round-robin over classes."""
+    by_class: dict[str, list[str]] = {}
+    outer = []
+    for p in paths:
+        if "layers" not in p.split("."):
+            outer.append(p)
+        else:
+            by_class.setdefault(tensor_class(p), []).append(p)
+    waves: list[list[str]] = []
+    for members in by_class.values():
+        members.sort(key=layer_of)
+        chosen: list[int] = []
+        order = []
+
+        def take(i):
+            if 0 <= i < len(members) and i not in chosen:
+                chosen.append(i)
+                order.append(members[i])
+
+        take(len(members) // 2)
+        take(0)
+        take(len(members) - 1)
+        while len(chosen) < len(members):
+            idx = sorted(chosen)
+            gaps = sorted(((b - a, a, b) for a, b in zip(idx, idx[1:]) if b - a > 1), reverse=True)
+            if not gaps:
+                break
+            for _, a, b in gaps:
+                take((a + b) // 2)
+        for wave, p in enumerate(order):
+            while len(waves) <= wave:
+                waves.append([])
+            waves[wave].append(p)
+    return outer + [p for wave in waves for p in wave]
+
+
+class CostModel:
+    """Seconds of a probe that runs `layers` decoder layers and the head, from probes so far."""
+
+    def __init__(self, fp: FirstPass, probe_fraction: float):
+        per_layer = sum(fp.layer_seconds) / max(len(fp.layer_seconds), 1) * probe_fraction
+        self.samples: list[tuple[int, float]] = []
+        self.prior = (per_layer, fp.head_seconds)
+
+    def add(self, layers: int, seconds: float) -> None:
+        self.samples.append((layers, seconds))
+
+    def predict(self, layers: int) -> float:
+        per_layer, fixed = self.prior
+        if self.samples:
+            # scale the prior by how the probes so far compared with it
+            ratio = sum(s for _, s in self.samples) / max(
+                sum(per_layer * n + fixed for n, _ in self.samples), 1e-9)
+            per_layer, fixed = per_layer * ratio, fixed * ratio
+        return per_layer * layers + fixed
+
+
+def estimate(stream: LayerStream, fp: FirstPass, budget_s: float, *, bits: tuple[int, ...] = BITS,
+             exact_all_bits: bool = False, progress: Progress | None = None,
+             done: dict | None = None, on_probe=None) -> SensitivityTable:
+    """The table: probes within `budget_s` (all (tensor, bits) pairs exact with
+    `exact_all_bits`), activation-weighted errors for every format. `done` holds probes measured
+    by an earlier, interrupted run ({path: {format name: kld}}); `on_probe(done)` is called after
+    each new probe so the caller can save them."""
+    modules = stream.all_tensors()
+    n_layers = len(stream.layers)
+    done = {p: dict(v) for p, v in (done or {}).items()}
+    paths = probe_order(list(modules))
+    probes: list[tuple[str, Format]] = []
+    for p in paths:
+        if exact_all_bits:
+            g = probe_format(modules[p].weight.shape).group_size
+            probes += [(p, Format(b, g)) for b in bits]
+        else:
+            probes.append((p, probe_format(modules[p].weight.shape)))
+    cost = CostModel(fp, fp.probe_rows.shape[0] / fp.rows_total)
+    started = time.time()
+    if progress:
+        progress.stage("sensitivity", len(probes), f"probes within {budget_s:.0f}s")
+    measured = 0
+    for k, (path, fmt) in enumerate(probes):
+        if fmt.name in done.get(path, {}):
+            continue
+        layers = n_layers - min(layer_of(path), n_layers) if not path.endswith("embed_tokens") else n_layers
+        if not exact_all_bits and measured and time.time() - started + cost.predict(layers) > budget_s:
+            break
+        t = time.time()
+        done.setdefault(path, {})[fmt.name] = probe_kld(stream, fp, path, modules[path], fmt)
+        cost.add(layers, time.time() - t)
+        measured += 1
+        if on_probe:
+            on_probe(done)
+        if progress:
+            progress.step(k + 1, message=path.rsplit(".layers.", 1)[-1])
+    return _table(stream, fp, modules, done, bits, exact_all_bits, budget_s, time.time() - started)
+
+
+def _table(stream, fp, modules, done, bits, exact_all_bits, budget_s, seconds) -> SensitivityTable:
+    table = SensitivityTable(kld={}, params={}, shapes={})
+    errors: dict[str, dict[str, float]] = {}
+    alphas: dict[str, float] = {}
+    for path, module in modules.items():
+        w = module.weight
+        embed_rows = path.endswith("embed_tokens") and not stream.tied
+        imp = fp.imp.get(path)
+        if imp is None:  # never reached by the calibration tokens (e.g. an unused expert path)
+            imp = mx.ones((w.shape[-1],), dtype=mx.float32)
+        errors[path] = {f.name: weighted_error(w, f, imp, by_row=embed_rows)
+                        for f in formats_for(w.shape[-1]) if f.bits in bits}
+        table.params[path], table.shapes[path] = int(w.size), list(w.shape)
+        measured = sorted(done.get(path, {}).items(), key=lambda kv: Format.parse(kv[0]).bits != PROBE_BITS)
+        for name, kld in measured:  # the 4-bit probe, when there is one, sets alpha
+            e = errors[path].get(name, 0.0)
+            if e > 0:
+                alphas.setdefault(path, kld / e)
+    interpolated = _interpolate(alphas, list(modules))
+    for path in modules:
+        a = alphas.get(path, interpolated.get(path, 0.0))
+        table.kld[path], table.estimated[path] = {}, []
+        for name, e in errors[path].items():
+            if name in done.get(path, {}):
+                table.kld[path][name] = done[path][name]
+            else:
+                # the nearest measured bit width of this tensor anchors other group sizes
+                same = [m for m in done.get(path, {}) if Format.parse(m).bits == Format.parse(name).bits]
+                if same and errors[path].get(same[0], 0) > 0:
+                    table.kld[path][name] = done[path][same[0]] * e / errors[path][same[0]]
+                else:
+                    table.kld[path][name] = a * e
+                table.estimated[path].append(name)
+    probed = sorted(done)
+    table.meta = {"method": "ablation" if exact_all_bits else "probe",
+                  "description": ("exact ablation of every (tensor, bits) pair at group 64, other "
+                                  "group sizes scaled by activation-weighted error") if exact_all_bits
+                  else ("probe: exact ablation at 4 bits of the probed tensors, times the ratio of "
+                        "activation-weighted errors between formats; unprobed tensors take their "
+                        "class's alpha interpolated over depth"),
+                  "probes": len(probed), "tensors": len(modules), "budget_s": budget_s,
+                  "seconds": round(seconds, 1), "probe_tokens": int(fp.ref.shape[0]),
+                  "bits": list(bits), "alpha": {p: alphas[p] for p in probed if p in alphas}}
+    return table
+
+
+def _interpolate(alphas: dict[str, float], paths: list[str]) -> dict[str, float]:
+    """alpha of unprobed tensors: log-linear over depth between the probed ones of their class;
+    the class's nearest probe beyond the ends; the geometric mean of all probes otherwise."""
+    by_class: dict[str, list[tuple[int, float]]] = {}
+    for p, a in alphas.items():
+        if a > 0:
+            by_class.setdefault(tensor_class(p), []).append((layer_of(p), math.log(a)))
+    everything = [v for pts in by_class.values() for _, v in pts]
+    fallback = math.exp(sum(everything) / len(everything)) if everything else 0.0
+    out = {}
+    for p in paths:
+        if p in alphas:
+            continue
+        pts = sorted(by_class.get(tensor_class(p), []))
+        if not pts:
+            out[p] = fallback
+            continue
+        x = layer_of(p)
+        lo = [pt for pt in pts if pt[0] <= x]
+        hi = [pt for pt in pts if pt[0] >= x]
+        if lo and hi and hi[0][0] != lo[-1][0]:
+            (x0, y0), (x1, y1) = lo[-1], hi[0]
+            out[p] = math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        else:
+            out[p] = math.exp((lo[-1] if lo else hi[0])[1])
+    return out

@@ -1,0 +1,320 @@
+"""The variant written layer by layer: AWQ, quantization and the fidelity check in one streamed
+pass, shards on disk as they are produced, resumable after a kill.
+
+Per decoder layer: the unquantized layer runs on the calibration rows (AWQ's inputs, and the
+next layer's) and on held-out rows (the reference); AWQ folds its scales into the layer's norms;
+every quantizable tensor is quantized to its planned format; the quantized layer (dequantized,
+float32) runs on its own held-out stream, so the measured KLD against the reference needs no
+second pass and never touches MLX's CPU quantized kernels. Finished layers go into shards in a
+partial folder beside the cache entry, with the hidden states needed to go on; a killed run
+resumes after the last saved shard. The folder becomes the variant only when complete (one
+rename), so a partial variant is never served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from . import artifact
+from .awq import awq_layer, group_inputs
+from .formats import Format, fake_quantize, quantizable, tensor_class
+from .progress import Progress
+from .stream import LayerStream, _get_child, kld_rows
+
+SHARD_BYTES = 1 << 30  # a shard is written once its layers reach this size
+STATE = "state.json"
+HIDDEN = "hidden.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json",
+                   "added_tokens.json", "tokenizer.model")
+
+
+@dataclass
+class WriteResult:
+    measured_kld: float
+    measured_top1: float
+    awq: list = field(default_factory=list)  # GroupResults
+    mtp: dict = field(default_factory=dict)  # MTP tensor -> format name, kept beside the model
+    shards: int = 0
+
+
+def quantize_tensor(w: mx.array, fmt: Format) -> dict[str, mx.array]:
+    """weight (packed), scales and biases as MLX's quantized layers store them."""
+    q, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=fmt.group_size, bits=fmt.bits)
+    return {"weight": q, "scales": scales, "biases": biases}
+
+
+class _Shards:
+    """Accumulates tensors and writes them as part-NNNNN.safetensors in the partial folder."""
+
+    def __init__(self, folder: Path, start_index: int):
+        self.folder, self.index = folder, start_index
+        self.pending: dict[str, mx.array] = {}
+        self.nbytes = 0
+
+    def add(self, tensors: dict[str, mx.array]) -> None:
+        mx.eval(tensors)
+        self.pending.update(tensors)
+        self.nbytes += sum(v.nbytes for v in tensors.values())
+
+    def flush(self) -> bool:
+        if not self.pending:
+            return False
+        self.index += 1
+        name = self.folder / f"part-{self.index:05d}.safetensors"
+        tmp = name.with_suffix(".tmp.safetensors")
+        mx.save_safetensors(str(tmp), self.pending, metadata={"format": "mlx"})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, name)
+        self.pending, self.nbytes = {}, 0
+        return True
+
+
+def _save_state(folder: Path, state: dict, hidden: dict[str, mx.array]) -> None:
+    tmp = folder / (HIDDEN + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), hidden)
+    os.replace(tmp, folder / HIDDEN)
+    tmp = folder / (STATE + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, folder / STATE)
+
+
+def load_state(folder: Path, key: str) -> tuple[dict | None, dict]:
+    """What a killed run of the same variant (`key`) left: its state and hidden states."""
+    try:
+        state = json.loads((folder / STATE).read_text())
+        if state.get("key") != key:
+            return None, {}
+        return state, mx.load(str(folder / HIDDEN))
+    except (OSError, ValueError, RuntimeError):
+        return None, {}
+
+
+def _mtp_tensors(src: Path) -> dict[str, mx.array]:
+    """The MTP head's tensors as the checkpoint stores them (mlx-lm's sanitize drops them)."""
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        arrays = mx.load(str(f))
+        out.update({k: v for k, v in arrays.items() if k.startswith("mtp.")})
+    return out
+
+
+def _mtp_format(path: str, formats: dict[str, Format]) -> Format | None:
+    """An MTP linear takes the format most tensors of its class got in the model."""
+    cls = tensor_class(path.removesuffix(".weight"))
+    seen: dict[Format, int] = {}
+    for p, f in formats.items():
+        if tensor_class(p) == cls or p.endswith(cls.rsplit(".", 1)[-1]):
+            seen[f] = seen.get(f, 0) + 1
+    return max(seen, key=seen.get) if seen else None
+
+
+def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format], key: str, *,
+                   cal_rows: mx.array | None, heldout_rows: mx.array, awq: bool,
+                   progress: Progress | None = None) -> WriteResult:
+    """Writes every tensor of `stream`'s model by `formats` into `partial` (shards + state)."""
+    partial.mkdir(parents=True, exist_ok=True)
+    n = len(stream.layers)
+    state, hidden = load_state(partial, key)
+    result = WriteResult(measured_kld=float("nan"), measured_top1=float("nan"))
+    outer = stream.outer_tensors()
+    if state is None:
+        for f in partial.glob("part-*.safetensors"):
+            f.unlink()
+        state = {"key": key, "next_layer": 0, "shards": 0, "awq": []}
+        h_ref = stream.embed(heldout_rows)
+        h_q = _embed_quantized(stream, heldout_rows, formats)
+        h_cal = stream.embed(cal_rows) if awq else None
+        first = _Shards(partial, 0)
+        layers_prefix = f"{stream.prefix}.layers."
+        for name, value in tree_flatten(stream.model.parameters()):
+            if name.startswith(layers_prefix):
+                continue
+            owner = name.rsplit(".", 1)[0]
+            if owner in outer and name.endswith(".weight"):
+                first.add(_tensor_out(owner, value, formats.get(owner)))
+            else:
+                first.add({name: value})
+        first.flush()
+        state["shards"] = first.index
+        _save_state(partial, state, _hidden(h_ref, h_q, h_cal))
+    else:
+        h_ref, h_q, h_cal = hidden["ref"], hidden["q"], hidden.get("cal")
+        if progress:
+            progress.say(f"resuming at layer {state['next_layer']} of {n}")
+    shards = _Shards(partial, state["shards"])
+    if progress:
+        progress.stage("awq+write" if awq else "write", n)
+        progress.step(state["next_layer"])
+    for i in range(state["next_layer"], n):
+        layer = stream.layers[i]
+        base = stream.layer_path(i)
+        h_ref_next = stream.run_layer(i, h_ref)
+        if awq:
+            with stream.float32(layer):
+                inputs = group_inputs(layer, h_cal)
+            h_cal_next = stream.run_layer(i, h_cal)
+            groups = awq_layer(i, layer, inputs, formats, stream.prefix)
+            state["awq"] += [[g.layer, g.norm, g.members, g.alpha, g.error_before, g.error_after]
+                             for g in groups]
+        tensors = {}
+        swapped = {}
+        for rel, module in quantizable(layer).items():
+            fmt = formats.get(f"{base}.{rel}")
+            tensors.update(_tensor_out(f"{base}.{rel}", module.weight, fmt))
+            swapped[rel] = module.weight
+            if fmt is not None and fmt.bits != 16:
+                module.weight = fake_quantize(module.weight, fmt)  # what the variant computes
+        for name, value in tree_flatten(layer.parameters()):
+            owner, leaf = name.rsplit(".", 1)
+            if not (owner in swapped and leaf == "weight"):
+                tensors[f"{base}.{name}"] = value
+        h_q = stream.run_layer(i, h_q)
+        for rel, w in swapped.items():
+            _get_child(layer, rel).weight = w
+        shards.add(tensors)
+        # this layer is done: its weights are no longer needed in memory
+        layer.update(tree_map(lambda a: mx.zeros((1,), dtype=a.dtype), layer.parameters()))
+        h_ref = h_ref_next
+        if awq:
+            h_cal = h_cal_next
+        shards.flush()  # a part per layer: a killed run loses at most one layer
+        state.update(next_layer=i + 1, shards=shards.index)
+        _save_state(partial, state, _hidden(h_ref, h_q, h_cal))
+        if progress:
+            progress.step(i + 1)
+    if progress:
+        progress.stage("checking", 1, "KLD of the variant against the checkpoint on held-out tokens")
+    result.measured_kld, result.measured_top1 = _fidelity(stream, h_ref, h_q, formats)
+    result.awq = state["awq"]
+    mtp = _mtp_tensors(stream.folder)
+    if mtp:
+        extra = _Shards(partial, state["shards"])
+        for name, w in sorted(mtp.items()):
+            fmt = _mtp_format(name, formats) if name.endswith(".weight") and w.ndim == 2 \
+                and w.shape[-1] % 32 == 0 else None
+            if fmt is not None and fmt.bits != 16 and w.shape[-1] % fmt.group_size != 0:
+                fmt = Format(fmt.bits, 32)
+            result.mtp[name] = fmt.name if fmt else "as stored"
+            if fmt is None or fmt.bits == 16:
+                extra.add({name: w})
+            else:
+                extra.add({f"{name.removesuffix('.weight')}.{k}": v
+                           for k, v in quantize_tensor(w, fmt).items()})
+        extra.flush()
+        state["shards"] = extra.index
+    result.shards = state["shards"]
+    if progress:
+        progress.step(1)
+    return result
+
+
+def _hidden(h_ref, h_q, h_cal) -> dict[str, mx.array]:
+    out = {"ref": h_ref, "q": h_q}
+    if h_cal is not None:
+        out["cal"] = h_cal
+    return out
+
+
+def _tensor_out(path: str, w: mx.array, fmt: Format | None) -> dict[str, mx.array]:
+    if fmt is None or fmt.bits == 16:
+        return {f"{path}.weight": w}
+    return {f"{path}.{k}": v for k, v in quantize_tensor(w, fmt).items()}
+
+
+def _embed_quantized(stream: LayerStream, rows: mx.array, formats: dict[str, Format]) -> mx.array:
+    path = f"{stream.prefix}.embed_tokens"
+    fmt = formats.get(path)
+    w = stream.text.embed_tokens.weight
+    ids = rows.reshape(-1)
+    picked = w[ids]
+    if fmt is not None and fmt.bits != 16:
+        picked = fake_quantize(picked, fmt)  # groups run along a row: rows quantize alone
+    return picked.reshape(*rows.shape, -1).astype(mx.float32)
+
+
+def _fidelity(stream: LayerStream, h_ref: mx.array, h_q: mx.array,
+              formats: dict[str, Format]) -> tuple[float, float]:
+    ref = stream.logprobs(stream.final_norm(h_ref).reshape(-1, h_ref.shape[-1]))
+    head = stream.head_weight()
+    fmt = formats.get(stream.head_path)
+    weight = None
+    if fmt is not None and fmt.bits != 16:
+        weight = _ChunkedFakeQuant(head, fmt)
+    got = stream.logprobs(stream.final_norm(h_q).reshape(-1, h_q.shape[-1]), weight)
+    kld = float(kld_rows(ref, got).mean().item())
+    top1 = float((ref.argmax(-1) == got.argmax(-1)).astype(mx.float32).mean().item())
+    return kld, top1
+
+
+class _ChunkedFakeQuant:
+    """A head weight whose row chunks are quantized and dequantized as they are read."""
+
+    def __init__(self, w: mx.array, fmt: Format):
+        self.w, self.fmt, self.shape = w, fmt, w.shape
+
+    def __getitem__(self, rows: slice) -> mx.array:
+        return fake_quantize(self.w[rows], self.fmt)
+
+
+def finalize(stream: LayerStream, partial: Path, dst: Path, formats: dict[str, Format],
+             recipe: dict) -> Path:
+    """Names the shards as mlx-lm does, writes config, tokenizer, recipe and checksums into the
+    partial folder, then renames it to `dst` in one step."""
+    src = stream.folder
+    groups: list[list[Path]] = [[]]
+    size = 0
+    for part in sorted(partial.glob("part-*.safetensors")):  # consecutive parts up to SHARD_BYTES
+        n = part.stat().st_size
+        if groups[-1] and size + n > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(part)
+        size += n
+    total = len(groups)
+    weight_map, size = {}, 0
+    for k, group in enumerate(groups, 1):
+        name = "model.safetensors" if total == 1 else f"model-{k:05d}-of-{total:05d}.safetensors"
+        if len(group) == 1:
+            os.replace(group[0], partial / name)
+        else:
+            arrays: dict[str, mx.array] = {}
+            for part in group:
+                arrays.update(mx.load(str(part)))
+            mx.save_safetensors(str(partial / name), arrays, metadata={"format": "mlx"})
+            del arrays
+            for part in group:
+                part.unlink()
+        with open(partial / name, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for tensor, info in header.items():
+            if tensor != "__metadata__":
+                weight_map[tensor] = name
+                size += info["data_offsets"][1] - info["data_offsets"][0]
+    (partial / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
+    for f in (STATE, HIDDEN):
+        (partial / f).unlink(missing_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    for k in ("quantization", "quantization_config", "vision_config"):
+        config.pop(k, None)
+    default = next((f for f in formats.values() if f.bits != 16), Format(4, 64))
+    quant: dict = {"group_size": default.group_size, "bits": default.bits, "mode": "affine"}
+    for path, fmt in sorted(formats.items()):
+        quant[path] = False if fmt.bits == 16 else {"group_size": fmt.group_size, "bits": fmt.bits,
+                                                      "mode": "affine"}
+    config["quantization"] = quant
+    config["quantization_config"] = quant
+    (partial / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=4))
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, partial / name)
+    return artifact.publish(partial, dst, recipe)

@@ -1,0 +1,204 @@
+"""Streamed quantization: layer by layer, resumable, MoE and the extras published checkpoints
+carry, progress while it runs. Small shapes with the real structure (tests/bench/real_shapes.py);
+the real sizes are measured by tests/bench/sizes_bench.py."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from mixbit.models.registry import resolve
+from mixbit.quant import artifact
+from mixbit.quant.progress import Progress
+from mixbit.quant.variants import ensure_variant
+
+from .bench.real_shapes import write_checkpoint
+from .server_proc import ServerProcess
+from .test_server_api import ask
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tmp_path_factory):
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_checkpoint("tiny-moe", tmp_path_factory.mktemp("moe") / "ckpt")
+
+
+def _weights(folder) -> dict[str, mx.array]:
+    out = {}
+    for f in sorted(folder.glob("model*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+def test_a_crash_mid_write_resumes_after_the_last_layer(tmp_path, tiny_dense, monkeypatch):
+    from mixbit.quant import writer
+
+    clean = ensure_variant(resolve(str(tiny_dense)), "unsloth-static", cache_dir=str(tmp_path / "a"))
+    real_flush = writer._Shards.flush
+    calls = []
+
+    def dying_flush(self):
+        calls.append(1)
+        if len(calls) == 3:  # the outer tensors and layer 0 are on disk
+            raise OSError("killed")
+        return real_flush(self)
+
+    monkeypatch.setattr(writer._Shards, "flush", dying_flush)
+    with pytest.raises(OSError):
+        ensure_variant(resolve(str(tiny_dense)), "unsloth-static", cache_dir=str(tmp_path / "b"))
+    variants = tmp_path / "b" / "variants"
+    assert [p for p in variants.iterdir() if not p.name.startswith(".")] == []  # nothing to serve
+    (partial,) = [p for p in variants.iterdir() if p.name.endswith(".partial")]
+    assert json.loads((partial / writer.STATE).read_text())["next_layer"] == 1
+    monkeypatch.setattr(writer._Shards, "flush", real_flush)
+    said = []
+    resumed = ensure_variant(resolve(str(tiny_dense)), "unsloth-static", cache_dir=str(tmp_path / "b"),
+                             progress=said.append)
+    assert any("resuming at layer 1 of 4" in s for s in said), said
+    assert artifact.verify(resumed.path) is None and not partial.exists()
+    a, b = _weights(clean.path), _weights(resumed.path)
+    assert a.keys() == b.keys()
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)  # the same variant, bit for bit
+    ra = json.loads((clean.path / "recipe.json").read_text())
+    rb = json.loads((resumed.path / "recipe.json").read_text())
+    assert ra["measured_kld"] == pytest.approx(rb["measured_kld"], rel=1e-5)
+    assert ra["awq"] == rb["awq"]
+
+
+def test_interrupted_sensitivity_keeps_its_probes(tiny_dense):
+    from mixbit.quant import calibration as calib
+    from mixbit.quant import probe as probe_mod
+    from mixbit.quant.stream import LayerStream
+    from mlx_lm.utils import load_tokenizer
+
+    cal = calib.build(load_tokenizer(tiny_dense), n_rows=4, length=32)
+    stream = LayerStream(tiny_dense)
+    fp = probe_mod.first_pass(stream, cal.rows)
+    full = probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True)
+    saved = {}
+
+    def stop_after_five(done):
+        saved.clear()
+        saved.update(json.loads(json.dumps(done)))
+        if sum(len(v) for v in done.values()) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True, on_probe=stop_after_five)
+    counted = []
+    real = probe_mod.probe_kld
+    try:
+        probe_mod.probe_kld = lambda *a: counted.append(1) or real(*a)
+        again = probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True, done=saved)
+    finally:
+        probe_mod.probe_kld = real
+    pairs = sum(len(v) for v in full.kld.values() if v) and sum(
+        1 for p in full.kld for f in full.kld[p] if f not in full.estimated[p])
+    assert len(counted) == pairs - 5
+    for p in full.kld:
+        for f, v in full.kld[p].items():
+            assert again.kld[p][f] == pytest.approx(v, rel=1e-4, abs=1e-9)
+
+
+def test_probe_estimate_interpolates_unprobed_tensors(tiny_dense):
+    from mixbit.quant import calibration as calib
+    from mixbit.quant.probe import estimate, first_pass
+    from mixbit.quant.stream import LayerStream
+    from mlx_lm.utils import load_tokenizer
+
+    cal = calib.build(load_tokenizer(tiny_dense), n_rows=4, length=32)
+    stream = LayerStream(tiny_dense)
+    fp = first_pass(stream, cal.rows)
+    few = estimate(stream, fp, budget_s=0.0)  # one probe: the budget is spent at once
+    assert few.meta["method"] == "probe" and few.meta["probes"] == 1
+    assert all(v > 0 for per in few.kld.values() for v in per.values())
+    for per in few.kld.values():  # fewer bits never look better than more, within a group size
+        for g in (32, 64, 128):
+            vals = [per[f"q{b}g{g}"] for b in (2, 3, 4, 5, 6, 8) if f"q{b}g{g}" in per]
+            assert vals == sorted(vals, reverse=True)
+
+
+def test_moe_fixture_quantizes_loads_in_stock_mlx_lm_and_serves(tmp_path, tiny_moe):
+    from mlx_lm import generate, load
+
+    v = ensure_variant(resolve(str(tiny_moe)), "mixbit-auto", cache_dir=str(tmp_path),
+                       sensitivity="probe", sensitivity_seconds=5)
+    recipe = json.loads((v.path / "recipe.json").read_text())
+    tensors = recipe["tensors"]
+    experts = [p for p in tensors if "switch_mlp" in p]
+    assert experts and all(tensors[p]["bits"] < 16 for p in experts)  # stacked experts quantized
+    gates = [p for p in tensors if p.endswith(("mlp.gate", "shared_expert_gate"))]
+    assert gates and all(tensors[p]["bits"] >= 8 for p in gates)
+    assert recipe["bits_per_weight"] <= 4.5 + 1e-9
+    index = json.loads((v.path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(k.startswith("mtp.") for k in index)  # the MTP head is kept
+    assert not any("visual" in k for k in index)  # the vision tower is not
+    assert recipe["mtp"]["kept"] and any(f != "as stored" for f in recipe["mtp"]["tensors"].values())
+    model, tok = load(str(v.path))  # stock mlx-lm (its sanitize drops mtp.* on load)
+    assert isinstance(generate(model, tok, "Hello", max_tokens=4), str)
+    s = ServerProcess(f"model.source='{tiny_moe}'", f"model.cache_dir='{tmp_path}'",
+                      "quant.sensitivity='probe'", "quant.sensitivity_seconds=5",
+                      recipe="mixbit-auto").wait_ready(timeout=300)
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "model": "ckpt", "messages": ask("Hi"), "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        s.stop()
+    assert "cached variant mixbit-auto verified" in s.log_path.read_text()
+
+
+def test_progress_reports_stage_step_and_eta():
+    seen = []
+    p = Progress(on_update=seen.append, log_every_s=0)
+    p.stage("sensitivity", 4, "probes")
+    p.step(1)
+    time.sleep(0.05)
+    p.step(2)
+    snap = p.snapshot()
+    assert (snap.stage, snap.step, snap.total) == ("sensitivity", 2, 4)
+    assert snap.eta_s is not None and snap.eta_s > 0
+    assert "sensitivity: 2/4" in snap.line()
+    p.stage("awq+write", 2)
+    assert p.stage_seconds["sensitivity"] >= 0.05
+    assert seen and seen[-1].stage == "awq+write"
+
+
+def test_first_start_progress_on_ready_and_metrics(tmp_path):
+    s = ServerProcess(f"model.cache_dir='{tmp_path}'", "quant.sensitivity='probe'",
+                      "quant.sensitivity_seconds=8", recipe="mixbit-auto")
+    progress, gauges = [], []
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                r = httpx.get(s.url + "/ready", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.1)
+                continue
+            if r.status_code == 200:
+                break
+            body = r.json()
+            if "progress" in body:
+                progress.append(body["progress"])
+                m = httpx.get(s.url + "/metrics", timeout=5).text
+                gauges += [line for line in m.splitlines() if line.startswith("mixbit_startup_")]
+            time.sleep(0.2)
+        assert r.status_code == 200
+    finally:
+        s.stop()
+    stages = {p["stage"] for p in progress}
+    assert "sensitivity" in stages, stages
+    with_eta = [p for p in progress if p["total"] and p["step"] and p["eta_s"] is not None]
+    assert with_eta and all(set(p) >= {"stage", "step", "total", "eta_s", "elapsed_s"} for p in with_eta)
+    assert any(g.startswith("mixbit_startup_progress_ratio{stage=") for g in gauges)
+    assert any(g.startswith("mixbit_startup_eta_seconds{stage=") for g in gauges)
