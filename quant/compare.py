@@ -2,7 +2,9 @@
 PNG plot of KLD against size with the Pareto front.
 
 A variant is a recipe name (`uniform-4`, `uniform-3`, `unsloth-static`, `mixbit-auto`,
-`mixbit-auto@3.8` for another budget), one of mlx-lm's own quantizers (`mlx-uniform-4`,
+`mixbit-auto@3.8` for another budget, `+self` for self-generated calibration, `~probe`,
+`~ablation` or `~probe:10` for a sensitivity method and its time budget in seconds), one of
+mlx-lm's own quantizers (`mlx-uniform-4`,
 `mlx-uniform-3` from `mlx_lm.convert`; `mlx-dynamic@4.5` from `mlx_lm.quant.dynamic_quant`, fed
 the same built-in calibration text), or a folder holding any MLX checkpoint.
 """
@@ -82,10 +84,14 @@ def build_variant(spec: str, resolved: ResolvedModel, cache_dir: str, work: Path
         if not out.exists():
             _run_dynamic_quant(resolved, out, bpw, work)
         return out, time.time() - started
+    spec, _, how = spec.partition("~")  # e.g. mixbit-auto@3.5~probe or ~probe:10 (budget, s)
     spec, _, calibration = spec.partition("+")  # e.g. mixbit-auto@4.5+self
     recipe, _, bpw = spec.partition("@")
+    method, _, seconds = how.partition(":")
     variant = ensure_variant(resolved, recipe, cache_dir=cache_dir,
-                             target_bpw=float(bpw) if bpw else None, calibration=calibration or None)
+                             target_bpw=float(bpw) if bpw else None, calibration=calibration or None,
+                             sensitivity=method or "auto",
+                             **({"sensitivity_seconds": float(seconds)} if seconds else {}))
     return variant.path, time.time() - started
 
 

@@ -30,11 +30,12 @@ import mlx.nn as nn
 from .formats import BITS, Format, fake_quantize, formats_for, tensor_class
 from .progress import Progress
 from .sensitivity import SensitivityTable, layer_of
-from .stream import LayerStream, kld_rows
+from .stream import LayerStream
 
 PROBE_BITS = 4
 REF_BYTES = 256 << 20  # reference log-probabilities kept for probes (rows x vocabulary x 4 bytes)
 ROW_CHUNK = 32768  # rows of a big tensor fake-quantized at a time
+ERROR_ROWS = 4096  # rows of a tensor its activation-weighted error is measured on, at most
 
 
 @dataclass
@@ -90,8 +91,15 @@ def first_pass(stream: LayerStream, rows: mx.array, progress: Progress | None = 
 
 def weighted_error(w: mx.array, fmt: Format, imp: mx.array, by_row: bool = False) -> float:
     """E(t, f): squared quantization error weighted by input-channel importance (or, for an
-    untied embedding, by row frequency), in row chunks so big tensors stay bounded."""
+    untied embedding, by row frequency). Quantization groups run along a row, so a tensor with
+    more than ERROR_ROWS rows is estimated from every k-th row (scaled back up): the 248k-row
+    embedding costs what a 4k-row projection does, and the ratios between formats, which is what
+    the estimator uses, come from the same rows."""
     flat = w.reshape(-1, w.shape[-1])
+    stride = max(1, -(-flat.shape[0] // ERROR_ROWS))
+    if stride > 1:
+        flat = flat[::stride]
+        imp = imp[::stride] if by_row else imp
     total = 0.0
     for start in range(0, flat.shape[0], ROW_CHUNK):
         chunk = flat[start:start + ROW_CHUNK]
@@ -101,7 +109,7 @@ def weighted_error(w: mx.array, fmt: Format, imp: mx.array, by_row: bool = False
             total += float((sq.sum(axis=1) * imp[start:start + ROW_CHUNK]).sum().item())
         else:
             total += float((sq.sum(axis=0) * imp).sum().item())
-    return total
+    return total * w.reshape(-1, w.shape[-1]).shape[0] / flat.shape[0]
 
 
 def probe_kld(stream: LayerStream, fp: FirstPass, path: str, module: nn.Module, fmt: Format) -> float:
@@ -118,8 +126,7 @@ def probe_kld(stream: LayerStream, fp: FirstPass, path: str, module: nn.Module, 
         for i in range(first, len(stream.layers)):
             h = stream.run_layer(i, h)
         normed = stream.final_norm(h).reshape(-1, h.shape[-1])
-        got = stream.logprobs(normed)
-        kld = float(kld_rows(fp.ref, got).mean().item())
+        kld = float(stream.compare(fp.ref, normed)[0].mean().item())
     finally:
         module.weight = w
     return max(kld, 0.0)
@@ -191,14 +198,18 @@ class CostModel:
 
 def estimate(stream: LayerStream, fp: FirstPass, budget_s: float, *, bits: tuple[int, ...] = BITS,
              exact_all_bits: bool = False, progress: Progress | None = None,
-             done: dict | None = None, on_probe=None) -> SensitivityTable:
+             saved: dict | None = None, on_save=None) -> SensitivityTable:
     """The table: probes within `budget_s` (all (tensor, bits) pairs exact with
-    `exact_all_bits`), activation-weighted errors for every format. `done` holds probes measured
-    by an earlier, interrupted run ({path: {format name: kld}}); `on_probe(done)` is called after
-    each new probe so the caller can save them."""
+    `exact_all_bits`), activation-weighted errors for every format. `saved` is what an earlier,
+    interrupted run measured ({"probes": {path: {format: kld}}, "errors": {path: {format: e}},
+    "probe_seconds": s}); the budget counts the seconds it already spent. `on_save(saved)` is
+    called after each probe and each tensor's errors, so the caller can keep them."""
     modules = stream.all_tensors()
     n_layers = len(stream.layers)
-    done = {p: dict(v) for p, v in (done or {}).items()}
+    saved = {"probes": {p: dict(v) for p, v in (saved or {}).get("probes", {}).items()},
+             "errors": {p: dict(v) for p, v in (saved or {}).get("errors", {}).items()},
+             "probe_seconds": float((saved or {}).get("probe_seconds", 0.0))}
+    done = saved["probes"]
     paths = probe_order(list(modules))
     probes: list[tuple[str, Format]] = []
     for p in paths:
@@ -208,10 +219,10 @@ def estimate(stream: LayerStream, fp: FirstPass, budget_s: float, *, bits: tuple
         else:
             probes.append((p, probe_format(modules[p].weight.shape)))
     cost = CostModel(fp, fp.probe_rows.shape[0] / fp.rows_total)
-    started = time.time()
+    started = time.time() - saved["probe_seconds"]
     if progress:
         progress.stage("sensitivity", len(probes), f"probes within {budget_s:.0f}s")
-    measured = 0
+    measured = sum(len(v) for v in done.values())
     for k, (path, fmt) in enumerate(probes):
         if fmt.name in done.get(path, {}):
             continue
@@ -222,25 +233,40 @@ def estimate(stream: LayerStream, fp: FirstPass, budget_s: float, *, bits: tuple
         done.setdefault(path, {})[fmt.name] = probe_kld(stream, fp, path, modules[path], fmt)
         cost.add(layers, time.time() - t)
         measured += 1
-        if on_probe:
-            on_probe(done)
+        saved["probe_seconds"] = time.time() - started
+        if on_save:
+            on_save(saved)
         if progress:
-            progress.step(k + 1, message=path.rsplit(".layers.", 1)[-1])
-    return _table(stream, fp, modules, done, bits, exact_all_bits, budget_s, time.time() - started)
+            total = len(probes)
+            if not exact_all_bits:  # as many as the rest of the budget is predicted to allow
+                left = budget_s - (time.time() - started)
+                total = min(total, k + 1 + max(0, int(left / max(cost.predict(n_layers // 2), 1e-3))))
+            progress.step(k + 1, total=total, message=path.rsplit(".layers.", 1)[-1])
+    seconds = time.time() - started
+    errors = saved["errors"]
+    if progress:
+        progress.stage("errors", len(modules), "activation-weighted quantization error per format")
+    for k, (path, module) in enumerate(modules.items()):
+        if path not in errors:
+            w = module.weight
+            imp = fp.imp.get(path)
+            if imp is None:  # never reached by the calibration tokens
+                imp = mx.ones((w.shape[-1],), dtype=mx.float32)
+            by_row = path.endswith("embed_tokens") and not stream.tied
+            errors[path] = {f.name: weighted_error(w, f, imp, by_row=by_row)
+                            for f in formats_for(w.shape[-1]) if f.bits in bits}
+            if on_save:
+                on_save(saved)
+        if progress:
+            progress.step(k + 1)
+    return _table(modules, done, errors, bits, exact_all_bits, budget_s, seconds, fp)
 
 
-def _table(stream, fp, modules, done, bits, exact_all_bits, budget_s, seconds) -> SensitivityTable:
+def _table(modules, done, errors, bits, exact_all_bits, budget_s, seconds, fp) -> SensitivityTable:
     table = SensitivityTable(kld={}, params={}, shapes={})
-    errors: dict[str, dict[str, float]] = {}
     alphas: dict[str, float] = {}
     for path, module in modules.items():
         w = module.weight
-        embed_rows = path.endswith("embed_tokens") and not stream.tied
-        imp = fp.imp.get(path)
-        if imp is None:  # never reached by the calibration tokens (e.g. an unused expert path)
-            imp = mx.ones((w.shape[-1],), dtype=mx.float32)
-        errors[path] = {f.name: weighted_error(w, f, imp, by_row=embed_rows)
-                        for f in formats_for(w.shape[-1]) if f.bits in bits}
         table.params[path], table.shapes[path] = int(w.size), list(w.shape)
         measured = sorted(done.get(path, {}).items(), key=lambda kv: Format.parse(kv[0]).bits != PROBE_BITS)
         for name, kld in measured:  # the 4-bit probe, when there is one, sets alpha

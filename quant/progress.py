@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-STAGES = ("download", "calibration", "activations", "sensitivity", "allocation", "awq+write",
-          "checking", "finishing")
+STAGES = ("download", "calibration", "activations", "sensitivity", "errors", "allocation",
+          "awq+write", "checking", "finishing")
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Progress:
     _snap: Snapshot = field(default_factory=Snapshot)
     _last_log: float = 0.0
     stage_seconds: dict = field(default_factory=dict)  # finished stages and how long they took
+    peak_rss_gb: dict = field(default_factory=dict)  # the process's peak RSS when each stage ended
 
     def stage(self, name: str, total: int = 0, message: str = "") -> None:
         with self._lock:
@@ -56,6 +57,7 @@ class Progress:
             if self._snap.stage and self._snap.stage != name:
                 self.stage_seconds[self._snap.stage] = round(
                     self.stage_seconds.get(self._snap.stage, 0.0) + now - self._stage_started, 1)
+                self.peak_rss_gb[self._snap.stage] = round(_peak_rss_gb(), 2)
             self._stage_started = now
             self._snap = Snapshot(stage=name, total=total, message=message)
         self._emit(force=True)
@@ -94,6 +96,14 @@ class Progress:
             return
         self._last_log = now
         self.on_update(self.snapshot())
+
+
+def _peak_rss_gb() -> float:
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux, bytes on macOS
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 def from_callback(say: Callable[[str], None] | None) -> Progress:

@@ -61,6 +61,9 @@ class LayerStream:
     def __init__(self, folder: Path):
         from mlx_lm.utils import load_model
 
+        from mixbit.models import gated_delta_chunked
+
+        gated_delta_chunked.install()  # chunk-parallel GatedDeltaNet where no Metal kernel runs
         self.folder = Path(folder)
         self.model, self.config = load_model(self.folder, lazy=True, strict=True)
         lm = getattr(self.model, "language_model", self.model)
@@ -151,9 +154,15 @@ class LayerStream:
     def head_weight(self) -> mx.array:
         return self.text.embed_tokens.weight if self.tied else self.lm.lm_head.weight
 
-    def logprobs(self, normed: mx.array, weight: mx.array | None = None) -> mx.array:
-        """log-softmax of the head over normed hidden states [T, hidden] (float32), the head's
-        rows cast to float32 a chunk at a time. `weight` replaces the head (e.g. dequantized)."""
+    def logprobs(self, normed: mx.array, weight=None, token_chunk: int = 64) -> mx.array:
+        """log-softmax of the head over normed hidden states [T, hidden] (float32). The head's
+        rows are cast to float32 a chunk at a time (`weight` replaces the head, e.g. a quantized
+        one read chunk by chunk), tokens go `token_chunk` at a time: memory is the result plus
+        one chunk."""
+        return mx.concatenate([self._logprobs(normed[s:s + token_chunk], weight)
+                               for s in range(0, normed.shape[0], token_chunk)], axis=0)
+
+    def _logprobs(self, normed: mx.array, weight=None) -> mx.array:
         w = self.head_weight() if weight is None else weight
         parts = []
         for start in range(0, w.shape[0], HEAD_CHUNK):
@@ -161,9 +170,23 @@ class LayerStream:
             parts.append(normed @ chunk.T)
             mx.eval(parts[-1])
         logits = mx.concatenate(parts, axis=-1)
+        del parts
         out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(out)
         return out
+
+    def compare(self, ref: mx.array, normed: mx.array, weight=None,
+                token_chunk: int = 64) -> tuple[mx.array, mx.array]:
+        """Per position: KL(ref || head(normed)) and whether the top tokens agree, without
+        holding the second distribution whole (`ref`: reference log-probabilities)."""
+        klds, same = [], []
+        for s in range(0, normed.shape[0], token_chunk):
+            got = self._logprobs(normed[s:s + token_chunk], weight)
+            r = ref[s:s + token_chunk]
+            klds.append(kld_rows(r, got))
+            same.append(r.argmax(-1) == got.argmax(-1))
+            mx.eval(klds[-1], same[-1])
+        return mx.concatenate(klds), mx.concatenate(same)
 
 
 def kld_rows(ref: mx.array, got: mx.array) -> mx.array:

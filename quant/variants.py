@@ -42,6 +42,7 @@ AWQ_RECIPES = ("mixbit-auto", "unsloth-static")
 # mixbit-auto's time for sensitivity: the exact ablation when it fits (the embedded model),
 # else as many probes as fit (real sizes); see probe.py
 DEFAULT_SENSITIVITY_SECONDS = 120.0
+QUANTIZE_CACHE_BYTES = 256 << 20
 
 
 def code_digest() -> str:
@@ -164,6 +165,11 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
     digest = weights_digest(resolved.path, root)
     partial = dst.parent / f".{dst.name}.partial"
     partial.mkdir(parents=True, exist_ok=True)
+    import mlx.core as mx
+
+    # freed buffers go back to the system instead of MLX's cache: peak memory is the checkpoint
+    # plus what one layer needs, not the sum of every size ever allocated
+    cache_limit = mx.set_cache_limit(QUANTIZE_CACHE_BYTES)
     with _exclusive(partial, prog):
         stream = LayerStream(resolved.path)
         _note_extras(resolved.path)
@@ -205,7 +211,9 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
         prog.stage("finishing", 0, "checksums and rename")
         manifest["seconds"] = round(time.time() - started, 1)
         manifest["stages_s"] = dict(prog.stage_seconds)
+        manifest["stages_peak_rss_gb"] = dict(prog.peak_rss_gb)
         finalize(stream, partial, dst, formats, manifest)
+    mx.set_cache_limit(cache_limit)
     prog.finish()
     log.info("recipe %s: wrote %s (%.2f bits per weight, measured KLD %.4f) in %.1fs", recipe, dst,
              manifest["bits_per_weight"], manifest.get("measured_kld", float("nan")), manifest["seconds"])
@@ -303,23 +311,29 @@ def _auto_plan(stream, cal, root: Path, digest: str, target_bpw: float, prog: Pr
         fp = first_pass(stream, cal.rows, prog)
         method = choose_method(sensitivity, len(shapes), len(BITS), fp, budget_s, len(stream.layers))
         table_path = saved[method]
-        probes_path = table_path.with_suffix(".probes.json")
+        partial_path = table_path.with_suffix(".partial.json")
         try:
-            done = json.loads(probes_path.read_text())
+            saved = json.loads(partial_path.read_text())
+            if saved.get("budget_s") != budget_s:
+                saved = {}
         except (OSError, ValueError):
-            done = {}
+            saved = {}
         table_path.parent.mkdir(parents=True, exist_ok=True)
+        last = [0.0]
 
-        def keep(measured: dict) -> None:  # a killed run resumes with these probes
-            tmp = probes_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(measured))
-            tmp.replace(probes_path)
+        def keep(measured: dict) -> None:  # a killed run resumes with these
+            if time.time() - last[0] < 2:
+                return
+            last[0] = time.time()
+            tmp = partial_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**measured, "budget_s": budget_s}))
+            tmp.replace(partial_path)
 
         table = estimate(stream, fp, budget_s, exact_all_bits=method == "ablation", progress=prog,
-                         done=done, on_probe=keep)
+                         saved=saved, on_save=keep)
         table.meta["calibration"] = cal.provenance
         table.save(table_path)
-        probes_path.unlink(missing_ok=True)
+        partial_path.unlink(missing_ok=True)
         del fp
     prog.stage("allocation", 0, f"{target_bpw} bits per weight")
     fixed = {p: f for p, f in with_gates({}, shapes).items() if p in table.kld}

@@ -26,7 +26,7 @@ from . import artifact
 from .awq import awq_layer, group_inputs
 from .formats import Format, fake_quantize, quantizable, tensor_class
 from .progress import Progress
-from .stream import LayerStream, _get_child, kld_rows
+from .stream import LayerStream, _get_child
 
 SHARD_BYTES = 1 << 30  # a shard is written once its layers reach this size
 STATE = "state.json"
@@ -45,9 +45,20 @@ class WriteResult:
     shards: int = 0
 
 
-def quantize_tensor(w: mx.array, fmt: Format) -> dict[str, mx.array]:
-    """weight (packed), scales and biases as MLX's quantized layers store them."""
-    q, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=fmt.group_size, bits=fmt.bits)
+def quantize_tensor(w: mx.array, fmt: Format, rows: int = 32768) -> dict[str, mx.array]:
+    """weight (packed), scales and biases as MLX's quantized layers store them; a big 2-D
+    tensor (the 248k-row embedding) in row chunks, so its float32 temporaries stay small."""
+    def one(x):
+        return mx.quantize(x.astype(mx.bfloat16), group_size=fmt.group_size, bits=fmt.bits)
+
+    if w.ndim != 2 or w.shape[0] <= rows:
+        q, scales, biases = one(w)
+    else:
+        pieces = []
+        for s in range(0, w.shape[0], rows):
+            pieces.append(one(w[s:s + rows]))
+            mx.eval(pieces[-1])
+        q, scales, biases = (mx.concatenate([p[i] for p in pieces]) for i in range(3))
     return {"weight": q, "scales": scales, "biases": biases}
 
 
@@ -249,10 +260,8 @@ def _fidelity(stream: LayerStream, h_ref: mx.array, h_q: mx.array,
     weight = None
     if fmt is not None and fmt.bits != 16:
         weight = _ChunkedFakeQuant(head, fmt)
-    got = stream.logprobs(stream.final_norm(h_q).reshape(-1, h_q.shape[-1]), weight)
-    kld = float(kld_rows(ref, got).mean().item())
-    top1 = float((ref.argmax(-1) == got.argmax(-1)).astype(mx.float32).mean().item())
-    return kld, top1
+    kld, same = stream.compare(ref, stream.final_norm(h_q).reshape(-1, h_q.shape[-1]), weight)
+    return float(kld.mean().item()), float(same.astype(mx.float32).mean().item())
 
 
 class _ChunkedFakeQuant:
@@ -263,6 +272,44 @@ class _ChunkedFakeQuant:
 
     def __getitem__(self, rows: slice) -> mx.array:
         return fake_quantize(self.w[rows], self.fmt)
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return json.loads(fh.read(n)), 8 + n
+
+
+def merge_safetensors(parts: list[Path], out: Path) -> None:
+    """One safetensors file from several, by copying their bytes (constant memory)."""
+    header: dict = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    sources = []
+    for part in parts:
+        h, start = _header(part)
+        for name, info in h.items():
+            if name == "__metadata__":
+                continue
+            b, e = info["data_offsets"]
+            header[name] = {**info, "data_offsets": [offset, offset + e - b]}
+            sources.append((part, start + b, e - b))
+            offset += e - b
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as writers do
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for part, start, n in sources:
+            with open(part, "rb") as src:
+                src.seek(start)
+                while n:
+                    block = src.read(min(n, 1 << 24))
+                    fh.write(block)
+                    n -= len(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out)
 
 
 def finalize(stream: LayerStream, partial: Path, dst: Path, formats: dict[str, Format],
@@ -286,15 +333,10 @@ def finalize(stream: LayerStream, partial: Path, dst: Path, formats: dict[str, F
         if len(group) == 1:
             os.replace(group[0], partial / name)
         else:
-            arrays: dict[str, mx.array] = {}
-            for part in group:
-                arrays.update(mx.load(str(part)))
-            mx.save_safetensors(str(partial / name), arrays, metadata={"format": "mlx"})
-            del arrays
+            merge_safetensors(group, partial / name)
             for part in group:
                 part.unlink()
-        with open(partial / name, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        header, _ = _header(partial / name)
         for tensor, info in header.items():
             if tensor != "__metadata__":
                 weight_map[tensor] = name

@@ -85,19 +85,19 @@ def test_interrupted_sensitivity_keeps_its_probes(tiny_dense):
     full = probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True)
     saved = {}
 
-    def stop_after_five(done):
+    def stop_after_five(measured):
         saved.clear()
-        saved.update(json.loads(json.dumps(done)))
-        if sum(len(v) for v in done.values()) == 5:
+        saved.update(json.loads(json.dumps(measured)))  # what a file on disk would hold
+        if sum(len(v) for v in measured["probes"].values()) == 5:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True, on_probe=stop_after_five)
+        probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True, on_save=stop_after_five)
     counted = []
     real = probe_mod.probe_kld
     try:
         probe_mod.probe_kld = lambda *a: counted.append(1) or real(*a)
-        again = probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True, done=saved)
+        again = probe_mod.estimate(stream, fp, 1e9, bits=(3, 4), exact_all_bits=True, saved=saved)
     finally:
         probe_mod.probe_kld = real
     pairs = sum(len(v) for v in full.kld.values() if v) and sum(

@@ -1,0 +1,178 @@
+"""First start at real Qwen3.5 sizes: time per stage, peak memory, variant bytes, resume after
+kill -9, and a short serving check. Random weights in the published layout (real_shapes.py):
+they measure time and memory, not quality.
+
+    .venv/bin/python tests/bench/sizes_bench.py --shapes 0.8b,2b,35b-a3b-reduced [--resume]
+
+For each shape: writes the checkpoint once (.cache/shapes/<shape>), runs `mixbit quantize`
+(mixbit-auto, defaults) under /usr/bin/time -v into a fresh cache, and reads the stages from
+recipe.json. With --resume, a second fresh cache gets a first start killed with SIGKILL at half
+the measured time and then restarted: the restart's time against the full run's. Then `mixbit
+serve` on the cached variant: ready time, and c=1 time to first token and decode tokens/s over a
+few 300-token prompts (serving speed at real size has its own benchmark, serve_bench.py).
+Prints one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES_DIR = ROOT / ".cache" / "shapes"
+MIXBIT = [sys.executable, "-m", "mixbit.server.cli"]
+
+
+def checkpoint(shape: str) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from tests.bench.real_shapes import write_checkpoint
+
+    out = SHAPES_DIR / shape
+    if not (out / "config.json").is_file():
+        write_checkpoint(shape, out)
+    return out
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXBIT_")}
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def quantize(folder: Path, cache: Path, log: Path) -> dict:
+    cmd = ["/usr/bin/time", "-v", *MIXBIT, "quantize", "--model", str(folder),
+           "--set", f"model.cache_dir='{cache}'"]
+    started = time.time()
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT).returncode
+    wall = time.time() - started
+    text = log.read_text()
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    out = {"rc": rc, "wall_s": wall, "peak_rss_gb": int(rss.group(1)) / 1e6 if rss else None}
+    line = next((ln for ln in text.splitlines() if ln.startswith("{\"path\"")), None)
+    if line:
+        info = json.loads(line)
+        recipe = json.loads((Path(info["path"]) / "recipe.json").read_text())
+        out.update(path=info["path"], bytes=recipe["bytes"], bpw=recipe["bits_per_weight"],
+                   stages=recipe.get("stages_s", {}), method=recipe.get("sensitivity_method"),
+                   probes=recipe.get("sensitivity_probes"), kld=recipe.get("measured_kld"))
+    return out
+
+
+def killed_then_resumed(folder: Path, full_s: float, log: Path) -> dict:
+    cache = Path(tempfile.mkdtemp(prefix="mixbit-resume-"))
+    cmd = [*MIXBIT, "quantize", "--model", str(folder), "--set", f"model.cache_dir='{cache}'"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        time.sleep(full_s / 2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    started = time.time()
+    with open(log, "a") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT).returncode
+    second = time.time() - started
+    shutil.rmtree(cache, ignore_errors=True)
+    return {"rc": rc, "second_s": second, "ratio": second / full_s}
+
+
+def serve_check(folder: Path, cache: Path, log: Path, n: int = 3) -> dict:
+    import httpx
+
+    port = 18000 + os.getpid() % 1000
+    cmd = [*MIXBIT, "serve", "--model", str(folder), "--port", str(port),
+           "--set", f"model.cache_dir='{cache}'", "--set", "fidelity.enabled=false"]
+    started = time.time()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() - started > 1800:
+                return {"ready_s": None}
+            time.sleep(0.5)
+        ready = time.time() - started
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        prompt = " ".join(f"item {i} is on the list;" for i in range(60))  # ~300 tokens
+        ttfts, rates = [], []
+        for i in range(n):
+            t0 = time.time()
+            first = None
+            tokens = 0
+            with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
+                    "model": model, "prompt": f"{i} {prompt}", "max_tokens": 32, "temperature": 0,
+                    "stream": True, "logit_bias": {}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        if first is None:
+                            first = time.time()
+                        tokens += 1
+            end = time.time()
+            ttfts.append(first - t0)
+            rates.append((tokens - 1) / max(end - first, 1e-9))
+        rss = int(open(f"/proc/{proc.pid}/status").read().split("VmRSS:")[1].split()[0]) / 1e6
+        return {"ready_s": ready, "ttft_s": sorted(ttfts)[n // 2], "decode_tok_s": sorted(rates)[n // 2],
+                "rss_gb": rss}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="0.8b,2b")
+    ap.add_argument("--resume", action="store_true", help="also kill -9 a first start at half time")
+    ap.add_argument("--no-serve", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    logs = ROOT / ".cache" / "sizes-bench"
+    logs.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes.split(","):
+        folder = checkpoint(shape)
+        ckpt_gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
+        cache = Path(tempfile.mkdtemp(prefix=f"mixbit-{shape}-"))
+        q = quantize(folder, cache, logs / f"{shape}-quantize.log")
+        row = {"shape": shape, "checkpoint_gb": ckpt_gb, **q}
+        print(f"{shape}: {json.dumps(row)}", flush=True)
+        if args.resume and q["rc"] == 0:
+            row["resume"] = killed_then_resumed(folder, q["wall_s"], logs / f"{shape}-resume.log")
+            print(f"{shape} resume: {row['resume']}", flush=True)
+        if not args.no_serve and q["rc"] == 0:
+            row["serve"] = serve_check(folder, cache, logs / f"{shape}-serve.log")
+            print(f"{shape} serve: {row['serve']}", flush=True)
+        shutil.rmtree(cache, ignore_errors=True)
+        rows.append(row)
+    print("\n| shape | checkpoint | first start | stages (s) | peak RSS | RSS - checkpoint | variant "
+          "| bits/weight | sensitivity | killed at half, restart | serve: ready / TTFT / decode / RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        stages = ", ".join(f"{k} {v:.0f}" for k, v in r.get("stages", {}).items())
+        res = r.get("resume")
+        resume = f"{res['second_s']:.0f} s ({100 * res['ratio']:.0f}%)" if res else "-"
+        s = r.get("serve") or {}
+        serve = (f"{s['ready_s']:.0f} s / {s['ttft_s']:.2f} s / {s['decode_tok_s']:.1f} tok/s / "
+                 f"{s['rss_gb']:.2f} GB") if s.get("ready_s") else "-"
+        print(f"| {r['shape']} | {r['checkpoint_gb']:.2f} GB | {r['wall_s']:.0f} s | {stages} | "
+              f"{r['peak_rss_gb']:.2f} GB | {r['peak_rss_gb'] - r['checkpoint_gb']:+.2f} GB | "
+              f"{r.get('bytes', 0) / 1e9:.3f} GB | {r.get('bpw', 0):.2f} | "
+              f"{r.get('method')} ({r.get('probes')} probes) | {resume} | {serve} |")
+
+
+if __name__ == "__main__":
+    main()
