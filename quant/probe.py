@@ -30,7 +30,7 @@ import mlx.nn as nn
 from .formats import BITS, Format, fake_quantize, formats_for, tensor_class
 from .progress import Progress
 from .sensitivity import SensitivityTable, layer_of
-from .stream import LayerStream
+from .stream import ChunkedFakeQuant, LayerStream
 
 PROBE_BITS = 4
 REF_BYTES = 256 << 20  # reference log-probabilities kept for probes (rows x vocabulary x 4 bytes)
@@ -113,12 +113,18 @@ def weighted_error(w: mx.array, fmt: Format, imp: mx.array, by_row: bool = False
 
 
 def probe_kld(stream: LayerStream, fp: FirstPass, path: str, module: nn.Module, fmt: Format) -> float:
-    """The exact ablation of one (tensor, format) on the probe rows."""
+    """The exact ablation of one (tensor, format) on the probe rows. The embedding table and
+    the head are quantized where they are read (looked-up rows, head chunks): a 248k-row table
+    is never copied whole."""
+    outer = path.endswith("embed_tokens") or path == stream.head_path
     w = module.weight
-    module.weight = fake_quantize(w, fmt)
+    if not outer:
+        module.weight = fake_quantize(w, fmt)
     try:
         start = layer_of(path)
-        if start == 0 or path.endswith("embed_tokens"):
+        if path.endswith("embed_tokens"):
+            h, first = stream.embed(fp.probe_rows, fmt), 0
+        elif start == 0:
             h, first = stream.embed(fp.probe_rows), 0
         else:
             first = min(start, len(stream.layers))
@@ -126,7 +132,8 @@ def probe_kld(stream: LayerStream, fp: FirstPass, path: str, module: nn.Module, 
         for i in range(first, len(stream.layers)):
             h = stream.run_layer(i, h)
         normed = stream.final_norm(h).reshape(-1, h.shape[-1])
-        kld = float(stream.compare(fp.ref, normed)[0].mean().item())
+        head = ChunkedFakeQuant(stream.head_weight(), fmt) if path == stream.head_path else None
+        kld = float(stream.compare(fp.ref, normed, head)[0].mean().item())
     finally:
         module.weight = w
     return max(kld, 0.0)

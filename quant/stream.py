@@ -109,8 +109,15 @@ class LayerStream:
             self._masks = {key: (create_attention_mask(h, None), create_ssm_mask(h, None))}
         return self._masks[key]
 
-    def embed(self, rows: mx.array) -> mx.array:
-        return self.text.embed_tokens(rows).astype(mx.float32)
+    def embed(self, rows: mx.array, fmt=None) -> mx.array:
+        """Embeddings of token rows in float32; with `fmt`, as that quantization of the table
+        would give them (groups run along a row, so the looked-up rows quantize alone)."""
+        if fmt is None or fmt.bits == 16:
+            return self.text.embed_tokens(rows).astype(mx.float32)
+        from .formats import fake_quantize
+
+        picked = fake_quantize(self.text.embed_tokens.weight[rows.reshape(-1)], fmt)
+        return picked.reshape(*rows.shape, -1).astype(mx.float32)
 
     @contextmanager
     def float32(self, module: nn.Module) -> Iterator[nn.Module]:
@@ -187,6 +194,19 @@ class LayerStream:
             same.append(r.argmax(-1) == got.argmax(-1))
             mx.eval(klds[-1], same[-1])
         return mx.concatenate(klds), mx.concatenate(same)
+
+
+class ChunkedFakeQuant:
+    """A head weight whose row chunks are quantized and dequantized as they are read (the
+    quantized 248k-row head never exists whole)."""
+
+    def __init__(self, w: mx.array, fmt):
+        self.w, self.fmt, self.shape = w, fmt, w.shape
+
+    def __getitem__(self, rows: slice) -> mx.array:
+        from .formats import fake_quantize
+
+        return fake_quantize(self.w[rows], self.fmt)
 
 
 def kld_rows(ref: mx.array, got: mx.array) -> mx.array:

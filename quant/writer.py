@@ -26,7 +26,7 @@ from . import artifact
 from .awq import awq_layer, group_inputs
 from .formats import Format, fake_quantize, quantizable, tensor_class
 from .progress import Progress
-from .stream import LayerStream, _get_child
+from .stream import ChunkedFakeQuant, LayerStream, _get_child
 
 SHARD_BYTES = 1 << 30  # a shard is written once its layers reach this size
 STATE = "state.json"
@@ -142,7 +142,7 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
             f.unlink()
         state = {"key": key, "next_layer": 0, "shards": 0, "awq": []}
         h_ref = stream.embed(heldout_rows)
-        h_q = _embed_quantized(stream, heldout_rows, formats)
+        h_q = stream.embed(heldout_rows, formats.get(f"{stream.prefix}.embed_tokens"))
         h_cal = stream.embed(cal_rows) if awq else None
         first = _Shards(partial, 0)
         layers_prefix = f"{stream.prefix}.layers."
@@ -241,17 +241,6 @@ def _tensor_out(path: str, w: mx.array, fmt: Format | None) -> dict[str, mx.arra
     return {f"{path}.{k}": v for k, v in quantize_tensor(w, fmt).items()}
 
 
-def _embed_quantized(stream: LayerStream, rows: mx.array, formats: dict[str, Format]) -> mx.array:
-    path = f"{stream.prefix}.embed_tokens"
-    fmt = formats.get(path)
-    w = stream.text.embed_tokens.weight
-    ids = rows.reshape(-1)
-    picked = w[ids]
-    if fmt is not None and fmt.bits != 16:
-        picked = fake_quantize(picked, fmt)  # groups run along a row: rows quantize alone
-    return picked.reshape(*rows.shape, -1).astype(mx.float32)
-
-
 def _fidelity(stream: LayerStream, h_ref: mx.array, h_q: mx.array,
               formats: dict[str, Format]) -> tuple[float, float]:
     ref = stream.logprobs(stream.final_norm(h_ref).reshape(-1, h_ref.shape[-1]))
@@ -259,19 +248,9 @@ def _fidelity(stream: LayerStream, h_ref: mx.array, h_q: mx.array,
     fmt = formats.get(stream.head_path)
     weight = None
     if fmt is not None and fmt.bits != 16:
-        weight = _ChunkedFakeQuant(head, fmt)
+        weight = ChunkedFakeQuant(head, fmt)
     kld, same = stream.compare(ref, stream.final_norm(h_q).reshape(-1, h_q.shape[-1]), weight)
     return float(kld.mean().item()), float(same.astype(mx.float32).mean().item())
-
-
-class _ChunkedFakeQuant:
-    """A head weight whose row chunks are quantized and dequantized as they are read."""
-
-    def __init__(self, w: mx.array, fmt: Format):
-        self.w, self.fmt, self.shape = w, fmt, w.shape
-
-    def __getitem__(self, rows: slice) -> mx.array:
-        return fake_quantize(self.w[rows], self.fmt)
 
 
 def _header(path: Path) -> tuple[dict, int]:
