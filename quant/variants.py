@@ -295,8 +295,8 @@ def _auto_plan(stream, cal, root: Path, digest: str, target_bpw: float, prog: Pr
     from .sensitivity import SensitivityTable
 
     prefix = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}"
-    saved = {m: Path(f"{prefix}{'' if m == 'ablation' else '-' + m}.json")
-             for m in ("ablation", "probe", "fisher")}
+    saved = {"ablation": Path(f"{prefix}.json"), "fisher": Path(f"{prefix}-fisher.json"),
+             "probe": Path(f"{prefix}-probe@{budget_s:g}s.json")}  # probes depend on the budget
     wanted = [sensitivity] if sensitivity != "auto" else ["ablation", "probe"]
     found = next((saved[m] for m in wanted if saved[m].is_file()), None)
     if found is not None:
