@@ -54,6 +54,21 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready: {self.log_path.read_text()[-3000:]}")
 
+    def poll(self, path: str, timeout: float = 120, every: float = 0.05):
+        """Responses of GET `path`, one every `every` seconds, until one is 200 (the last one
+        yielded) or `timeout` passes; connection errors before the port opens are skipped."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                r = httpx.get(self.url + path, timeout=2)
+            except httpx.HTTPError:
+                time.sleep(every)
+                continue
+            yield r
+            if r.status_code == 200:
+                return
+            time.sleep(every)
+
     def stop(self, timeout: float = 20) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -178,21 +178,12 @@ def test_first_start_progress_on_ready_and_metrics(tmp_path):
                       "quant.sensitivity_seconds=8", recipe="mixbit-auto")
     progress, gauges = [], []
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                r = httpx.get(s.url + "/ready", timeout=2)
-            except httpx.HTTPError:
-                time.sleep(0.1)
-                continue
-            if r.status_code == 200:
-                break
+        for r in s.poll("/ready", timeout=300, every=0.2):
             body = r.json()
-            if "progress" in body:
+            if r.status_code != 200 and "progress" in body:
                 progress.append(body["progress"])
                 m = httpx.get(s.url + "/metrics", timeout=5).text
                 gauges += [line for line in m.splitlines() if line.startswith("mixbit_startup_")]
-            time.sleep(0.2)
         assert r.status_code == 200
     finally:
         s.stop()
