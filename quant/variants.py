@@ -294,7 +294,9 @@ def _auto_plan(stream, cal, root: Path, digest: str, target_bpw: float, prog: Pr
     from .probe import estimate, first_pass
     from .sensitivity import SensitivityTable
 
-    prefix = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}"
+    # keyed by the weights, the calibration and the quantizer's code (an improved estimator
+    # must not reuse an older table)
+    prefix = root / "sensitivity" / f"{digest[:20]}-{cal.digest[:16]}-{code_digest()[:8]}"
     saved = {"ablation": Path(f"{prefix}.json"), "fisher": Path(f"{prefix}-fisher.json"),
              "probe": Path(f"{prefix}-probe@{budget_s:g}s.json")}  # probes depend on the budget
     wanted = [sensitivity] if sensitivity != "auto" else ["ablation", "probe"]
