@@ -9,9 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-STAGES = ("download", "calibration", "activations", "sensitivity", "errors", "allocation",
-          "awq+write", "checking", "finishing")
-
 
 @dataclass
 class Snapshot:

@@ -9,14 +9,13 @@ set is one layer plus one chunk of the head, whatever the model's size.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 from .formats import quantizable
 
@@ -212,17 +211,3 @@ class ChunkedFakeQuant:
 def kld_rows(ref: mx.array, got: mx.array) -> mx.array:
     """KL(ref || got) per position, both log-probabilities [T, V]."""
     return (mx.exp(ref) * (ref - got)).sum(axis=-1)
-
-
-def params_of(module: nn.Module, base: str) -> dict[str, mx.array]:
-    return {f"{base}.{k}": v for k, v in tree_flatten(module.parameters())}
-
-
-class Clock:
-    """Seconds per unit of work, measured as it goes, for ETAs and time budgets."""
-
-    def __init__(self):
-        self.started = time.time()
-
-    def elapsed(self) -> float:
-        return time.time() - self.started
