@@ -34,13 +34,14 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     resolved: ResolvedModel
     config: dict
+    cpu_plan: dict | None = None  # how each projection runs on the CPU (models/kernels.serve)
 
     @property
     def chat_template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
 
 
-CPU_QUANTIZED = ("auto", "dense", "packed")
+CPU_QUANTIZED = ("auto", "dense", "packed", "mlx")
 
 
 def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
@@ -50,13 +51,14 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
     model across the group's ranks (each holds its slice). `dequantize`: quantized layers
     become dense ones with the dequantized weights (the same function up to rounding).
 
-    `cpu_quantized` says how a quantized model runs on CPU, where MLX's quantized_matmul has no
-    BLAS path and its cost grows with every row (`tests/bench/qmm_bench.py`: a 512-token prefill
-    of the embedded model's mixbit-auto took 2.1 s through the kernels, 0.16 s dense):
-    "dense" dequantizes once at load (bf16-checkpoint speed, float32 memory), "packed" keeps the
-    packed weights and multiplies prompts through a transient dequantized copy
-    (`cpu_quantized_prefill`), "auto" is dense when the dense weights take at most a quarter of
-    physical memory. Either way the served function is the quantized one."""
+    `cpu_quantized` says how quantized (and bfloat16) projections run on CPU: "packed" on
+    mixbit's kernels over the packed weights (models/kernels: the variant served from its own
+    bytes); "dense" dequantized to float32 once at load; "mlx" through MLX's quantized_matmul
+    with prompts through a transient dequantized copy (`cpu_quantized_prefill`; its cost grows
+    with every row: a 512-token prefill of the embedded mixbit-auto took 2.1 s, 0.16 s dense);
+    "auto" decides per layer shape by timing both here (`kernels.serve`), and without the
+    kernels is dense when that takes at most a quarter of physical memory, else "mlx". Every
+    way the served function is the quantized one."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
 
@@ -75,13 +77,31 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
     else:
         model, tokenizer = mlx_load(str(folder))
     target = compute_dtype(dtype)
+    plan = None
+    cpu = mx.default_device() == mx.cpu and not sharded and not dequantize
+    use_kernels = cpu and cpu_quantized in ("auto", "packed") and kernels_available()
+    if cpu and cpu_quantized == "packed" and not use_kernels:
+        log.warning("CPU: no packed kernels (%s); quantized layers run on MLX's kernels",
+                    _kernels_error())
+    keep = _bf16_projections(model) if use_kernels else {}
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed
-        # weights stay as they are.
+        # weights stay as they are. bfloat16 projections the kernels read are put back below.
         model.set_dtype(target, lambda d: mx.issubdtype(d, mx.floating))
     if dequantize:
         _dequantize(model)
-    elif mx.default_device() == mx.cpu and not sharded:
+    elif use_kernels:
+        from . import kernels
+
+        plan = summary = kernels.serve(model, cpu_quantized, dense_budget=_physical_memory() // 4,
+                                       restore=keep)
+        log.info("CPU kernels (%s, %d threads): %d projections served packed, %d dense float32 "
+                 "(%.1f MB) where that measured faster for one decode row",
+                 kernels.info().get("isa"), kernels.threads(), summary["packed"], summary["dense"],
+                 summary["dense_bytes"] / 1e6)
+        for row in summary["shapes"]:
+            log.debug("CPU kernels: %s", row)
+    elif cpu:
         dense_bytes = _dense_bytes(model)
         if dense_bytes and (cpu_quantized == "dense" or
                             (cpu_quantized == "auto" and dense_bytes <= _physical_memory() // 4)):
@@ -91,10 +111,31 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
         elif dense_bytes:
             n = cpu_quantized_prefill(model)
             log.info("CPU: %d quantized layers kept packed; prompts multiply through a transient "
-                     "dequantized weight", n)
+                     "dequantized weight (no packed CPU kernels: %s)", n, _kernels_error())
     mx.eval(model.parameters())
     return LoadedModel(model=model, tokenizer=tokenizer, resolved=resolved,
-                       config=read_config(folder))
+                       config=read_config(folder), cpu_plan=plan)
+
+
+def kernels_available() -> bool:
+    from . import kernels
+
+    return kernels.available()
+
+
+def _kernels_error() -> str:
+    from . import kernels
+
+    return kernels.IMPORT_ERROR or "not used"
+
+
+def _bf16_projections(model) -> dict:
+    """bfloat16 weights of Linear and Embedding layers, by module path, before the cast."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    return {path: m.weight for path, m in model.named_modules()
+            if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.bfloat16}
 
 
 def _dense_bytes(model) -> int:

@@ -72,10 +72,11 @@ class ServerSettings(_Section):
 class GenerationSettings(_Section):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, the checkpoint's dtype on GPU")
-    cpu_quantized: Literal["auto", "dense", "packed"] = Field(
-        "auto", description="how a quantized model runs on CPU: dense (dequantized once at load), "
-        "packed (prompts through a transient dequantized weight), auto: dense when it takes at "
-        "most a quarter of physical memory")
+    cpu_quantized: Literal["auto", "dense", "packed", "mlx"] = Field(
+        "auto", description="how quantized (and bf16) projections run on CPU: packed (mixbit's "
+        "kernels on the packed weights), dense (float32, dequantized once at load), mlx (MLX's "
+        "quantized_matmul, prompts through a transient dequantized weight), auto: per layer shape, "
+        "packed unless dense float32 measured faster and fits a quarter of physical memory")
     max_tokens: int = Field(512, ge=1, description="default when a request names none")
     temperature: float = Field(0.7, ge=0.0, le=2.0)
     top_p: float = Field(0.8, gt=0.0, le=1.0)

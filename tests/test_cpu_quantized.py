@@ -1,7 +1,7 @@
 """How a quantized model runs on CPU (models/loading.py `cpu_quantized`): dequantized once at
-load ("dense"), or packed with prompts multiplied through a transient dequantized weight and
-single decode rows through MLX's quantized kernel ("packed"). Every path must compute the same
-function as the quantized kernels."""
+load ("dense"), packed on mixbit's kernels ("packed"), or packed with prompts multiplied through
+a transient dequantized weight and single decode rows through MLX's quantized kernel ("mlx").
+Every path must compute the same function as the quantized kernels."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def u4_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uniform4(u4_folder):
-    return load(resolve("embedded:tiny-qwen3.5"), path=u4_folder, cpu_quantized="packed")
+    return load(resolve("embedded:tiny-qwen3.5"), path=u4_folder, cpu_quantized="mlx")
 
 
 def _prompt(lm):
@@ -81,3 +81,33 @@ def test_auto_dequantizes_a_small_model_at_load_to_the_same_function(uniform4, u
     scale = float(mx.abs(kernel).max().item())
     assert float(mx.abs(got - kernel).max().item()) < 1e-4 * max(scale, 1.0)
     assert bool(mx.all(got.argmax(-1) == kernel.argmax(-1)).item())
+
+
+def test_packed_kernels_compute_the_quantized_function(uniform4, u4_folder):
+    """"packed": the tied head (4096 x 256, the one projection of this model past the kernels'
+    size floor) multiplies on mixbit's kernel for decode rows; logits match MLX's kernels."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mixbit.models import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.IMPORT_ERROR)
+    packed = load(resolve("embedded:tiny-qwen3.5"), path=u4_folder, cpu_quantized="packed")
+    kinds = {type(m).__name__ for _, m in packed.model.named_modules()}
+    assert "PackedEmbedding" in kinds and packed.cpu_plan["packed"] >= 1
+    ids = _prompt(packed)
+    _set_rows(uniform4.model, 1 << 30)
+    try:
+        outs = []
+        for model in (packed.model, uniform4.model):
+            cache = make_prompt_cache(model)
+            steps = [model(ids, cache=cache)[:, -1]]
+            for t in (11, 12, 13):  # decode: one row each
+                steps.append(model(mx.array([[t]]), cache=cache)[:, -1])
+            outs.append(mx.concatenate(steps))
+        mx.eval(outs)
+    finally:
+        _set_rows(uniform4.model, DENSE_ROWS)
+    scale = float(mx.abs(outs[1]).max().item())
+    assert float(mx.abs(outs[0] - outs[1]).max().item()) < 1e-4 * max(scale, 1.0)
+    assert bool(mx.all(outs[0].argmax(-1) == outs[1].argmax(-1)).item())

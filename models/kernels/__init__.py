@@ -1,0 +1,352 @@
+"""Packed weights served packed on the CPU: our own kernels on MLX's buffers.
+
+MLX's CPU `quantized_matmul` is no faster than dense float32 for one row and its cost grows with
+every row (tests/bench/qmm_bench.py; issue 16's table: 636 ms for one decode step of the 0.8B
+shape's projections), so until now a quantized variant was dequantized to float32 at load and
+served from ~7x its own bytes. `_qkernel` (qkernel.c, built at install) multiplies float32
+activations by the weights exactly as MLX stores them - affine 2/3/4/5/6/8-bit groups of 32/64/128
+and bfloat16 - reading the weight buffers in place, so a variant is served from its own bytes.
+
+The result is what MLX computes for the dequantized weight, in float32 (to rounding; tests check
+it against `mx.dequantize` + matmul for every width and group size). Prompts (many rows at once)
+go through a transient dequantized weight and BLAS instead (`PREFILL_ROWS`).
+
+`install(model)` switches a loaded model's QuantizedLinear, QuantizedEmbedding (a tied output
+head) and bfloat16 Linear layers to these kernels. Each call evaluates its input (one
+synchronisation per projection, ~20-60 us here), which is why `auto` in models/loading.py picks
+between this and dense float32 by timing decode steps of the model at hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("mixbit.models")
+
+try:
+    from . import _qkernel
+    IMPORT_ERROR = ""
+except ImportError as exc:  # a source checkout without a compiler, or a foreign platform
+    _qkernel = None
+    IMPORT_ERROR = str(exc)
+
+# Rows (tokens in the call) from which a layer multiplies through a transient dequantized
+# weight and BLAS instead of the packed kernel. tests/bench/kernel_bench.py measures the
+# crossover per shape (0.8B shape, 4-bit: the kernel wins up to ~24-32 rows).
+PREFILL_ROWS = 24
+
+# Projections under this many weights (Qwen3.5's in_proj_a/in_proj_b: heads x hidden) are not
+# worth a synchronisation: they run dense inside MLX's graph (a few hundred KB at most).
+SMALL = 1 << 18
+
+_started = False
+
+
+def available() -> bool:
+    return _qkernel is not None
+
+
+def threads() -> int:
+    """Kernel threads: MIXBIT_KERNEL_THREADS, else the CPUs this process may run on."""
+    env = os.environ.get("MIXBIT_KERNEL_THREADS", "")
+    if env.strip():
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def start() -> None:
+    global _started
+    if not _started and _qkernel is not None:
+        _qkernel.set_threads(threads())
+        _started = True
+
+
+def info() -> dict:
+    if _qkernel is None:
+        return {"isa": None, "error": IMPORT_ERROR}
+    start()
+    return dict(_qkernel.info())
+
+
+def supports(bits: int, group_size: int, in_features: int, mode: str = "affine") -> bool:
+    if _qkernel is None or mode != "affine":
+        return False
+    if bits == 16:
+        return True
+    return bits in (2, 3, 4, 5, 6, 8) and group_size >= 32 and in_features % group_size == 0
+
+
+def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int = 0):
+    """x[..., K] @ W^T for MLX's packed `weight` (affine, `bits` 2-8, float32 scales/biases)
+    or a bfloat16 `weight` (bits=16). Returns float32 [..., N]."""
+    import mlx.core as mx
+    import numpy as np
+
+    start()
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    m = 1
+    for d in lead:
+        m *= d
+    n = weight.shape[0]
+    x2 = mx.contiguous(x.reshape(m, k).astype(mx.float32))
+    mx.eval(x2)
+    out = np.empty((m, n), dtype=np.float32)
+    if bits == 16:
+        _qkernel.matmul(x2, weight, weight, weight, out, m, n, k, 16, 0)
+    else:
+        _qkernel.matmul(x2, weight, scales, biases, out, m, n, k, bits, group_size)
+    return mx.array(out).reshape(*lead, n)
+
+
+def _candidates(model, small: int = 0):
+    """(path, module, kind) for every projection the kernels can run."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    for path, module in model.named_modules():
+        kind = type(module)
+        if kind in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+            k = module["weight"].shape[1] * 32 // module.bits
+            if module["weight"].shape[0] * k < small:
+                continue
+            if supports(module.bits, module.group_size, k, getattr(module, "mode", "affine")) \
+                    and module.get("biases") is not None:
+                yield path, module, "quantized"
+        elif kind in (nn.Linear, nn.Embedding) and module.weight.dtype == mx.bfloat16 \
+                and module.weight.shape[-1] % 64 == 0 and module.weight.size >= max(small, 1):
+            yield path, module, "bfloat16"
+
+
+def _shape_key(module) -> tuple:
+    w = module["weight"]
+    bits = getattr(module, "bits", 16)
+    k = w.shape[1] * 32 // bits if bits != 16 else w.shape[1]
+    return (w.shape[0], k, bits, getattr(module, "group_size", 0))
+
+
+def _time(fn, reps: int, rounds: int = 3) -> float:
+    import time
+
+    fn()  # warm-up (allocations, first touch)
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def measure(module, rows=(32, 256), budget_s: float = 0.05) -> dict:
+    """Seconds per call of one layer for one row: the packed kernel (with the synchronisation it
+    costs) and dense float32 (as it runs inside a lazy graph: several products per evaluation);
+    and at `rows` rows, the kernel against the transient dequantize-then-BLAS path. Each timing
+    takes about `budget_s`; the transient path is not timed for weights over 16M values (the
+    248k-token head), whose prompt rows stay on the kernel (a dense copy would cost more than
+    the product)."""
+    import mlx.core as mx
+
+    n, k, bits, group = _shape_key(module)
+    w, s, b = module["weight"], module.get("scales"), module.get("biases")
+    if bits != 16:
+        s, b = s.astype(mx.float32), b.astype(mx.float32)
+
+    def densify():
+        return w.astype(mx.float32) if bits == 16 else mx.dequantize(w, s, b, group_size=group, bits=bits)
+
+    dense = densify()
+    mx.eval(dense, s, b)
+    out = {}
+    for m in (1, *rows):
+        x = mx.random.normal((m, k))
+        mx.eval(x)
+        t_one = _time(lambda: matmul(x, w, s, b, bits, group), 1)
+        reps = max(1, min(64, int(budget_s / max(t_one, 1e-6))))
+        chain = min(reps, 8)
+        # in a model the kernel's input is a lazy result: its evaluation is part of the cost
+        kinds = {"kernel": lambda: [matmul(x * 1.0, w, s, b, bits, group) for _ in range(chain)]}
+        if m == 1:
+            kinds["dense"] = lambda: mx.eval([mx.matmul(x, dense.T) for _ in range(chain)])
+        elif n * k <= 1 << 24:
+            kinds["transient"] = lambda: [mx.eval(mx.matmul(x, densify().T)) for _ in range(chain)]
+        out[m] = {name: _time(fn, max(1, reps // chain)) / chain for name, fn in kinds.items()}
+    del dense
+    return out
+
+
+def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None = None,
+          small: int = SMALL) -> dict:
+    """Chooses, per layer shape, how each quantized or bfloat16 projection runs on the CPU, by
+    timing it here (`measure`): "auto" keeps a layer packed on the kernel unless dense float32
+    measured faster for one decode row and its dense weight fits `dense_budget` (bytes, over
+    all such layers); "packed" keeps every supported layer packed. A packed layer multiplies
+    prompts (rows >= its measured crossover) through a transient dequantized weight and BLAS.
+    `restore`: bfloat16 weights by module path to put back (the loader cast everything to
+    float32; the kernel reads bfloat16 itself). Returns a summary for the log and /v1/models."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    start()
+    restore = restore or {}
+    modules = dict(model.named_modules())
+    for path, w in restore.items():
+        if path in modules:
+            modules[path].weight = w
+    cands = list(_candidates(model, small))
+    for _, module, _ in cands:
+        mx.eval(module.parameters())
+    timings, choice = {}, {}
+    for _, module, _ in cands:
+        key = _shape_key(module)
+        if key not in timings:
+            timings[key] = measure(module)
+    # dense where it measured faster for one row, largest gain per byte first, within budget
+    budget = dense_budget if mode == "auto" else 0
+    # Small layers (dense float32 up to 64 MB) stay dense unless the kernel is more than twice
+    # as fast: their bytes do not matter, and a near tie would flip from start to start.
+    def prefer_dense(key, t):
+        small_layer = key[0] * key[1] * 4 <= 64 << 20
+        return t[1]["dense"] < (2.0 if small_layer else 1.0) * t[1]["kernel"]
+
+    gains = sorted(((t[1]["kernel"] - t[1]["dense"], key) for key, t in timings.items()
+                    if prefer_dense(key, t)), reverse=True)
+    dense_keys, spent = set(), 0
+    per_key_bytes = {}
+    for _, module, _ in cands:
+        key = _shape_key(module)
+        per_key_bytes[key] = per_key_bytes.get(key, 0) + key[0] * key[1] * 4
+    for _, key in gains:
+        if spent + per_key_bytes[key] <= budget:
+            dense_keys.add(key)
+            spent += per_key_bytes[key]
+    summary = {"packed": 0, "dense": 0, "dense_bytes": spent, "shapes": []}
+    swaps = []
+    for path, module in model.named_modules():  # small quantized projections: dense, in-graph
+        if type(module) is nn.QuantizedLinear and all(path != p for p, _, _ in cands):
+            swaps.append((path, _dense_module(module)))
+    for path, module, kind in cands:
+        key = _shape_key(module)
+        t = timings[key]
+        if key in dense_keys:
+            swaps.append((path, _dense_module(module)))
+            summary["dense"] += 1
+            continue
+        # the kernel's cost grows with every 8 rows, BLAS's far more slowly: from the measured
+        # row counts where the transient dense path wins, take the smallest
+        wins = [m for m in sorted(t) if m > 1 and t[m].get("transient", float("inf")) < t[m]["kernel"]]
+        cross = (wins[0] if wins[0] == min(m for m in t if m > 1) else wins[0] // 2) if wins else 1 << 30
+        module._prefill_rows = cross
+        module._head = path.endswith("lm_head")
+        if kind == "quantized":
+            module.scales = module.scales.astype(mx.float32)
+            module.biases = module.biases.astype(mx.float32)
+            module.__class__ = _PackedLinear if type(module) is nn.QuantizedLinear else _PackedEmbedding
+        else:
+            module.__class__ = _Bf16Linear if type(module) is nn.Linear else _Bf16Embedding
+        choice[key] = cross
+        summary["packed"] += 1
+    for key, t in sorted(timings.items()):
+        summary["shapes"].append({
+            "out": key[0], "in": key[1], "bits": key[2], "group": key[3],
+            "runs": "dense" if key in dense_keys else "packed",
+            "kernel_ms_1row": round(t[1]["kernel"] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
+            "prefill_from_rows": choice.get(key)})
+    if swaps:
+        from mlx.utils import tree_unflatten
+
+        model.update_modules(tree_unflatten(swaps))
+    mx.clear_cache()  # the measurements' dense copies go back to the system
+    # what stays dense in float32 beyond the candidates (norms, small layers) is cast already
+    return summary
+
+
+def _dense_module(module):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    bits = getattr(module, "bits", 16)
+    w = module["weight"].astype(mx.float32) if bits == 16 else _dequantized(module)
+    if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+        dense = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+        if "bias" in module:
+            dense.bias = module["bias"].astype(mx.float32)
+    else:
+        dense = nn.Embedding(w.shape[0], w.shape[1])
+    dense.weight = w
+    return dense
+
+
+def _rows(x) -> int:
+    return x.size // x.shape[-1]
+
+
+def _positions(x) -> int:
+    """Positions per sequence: the kernels run eagerly, and mlx-lm's prompt processing calls the
+    model for its cache alone and never evaluates the logits, so the output head runs lazily in
+    MLX (and is then never computed) unless each sequence has one position (decode)."""
+    return x.shape[-2] if x.ndim >= 3 else 1
+
+
+def _dequantized(layer):
+    import mlx.core as mx
+
+    return mx.dequantize(layer["weight"], layer["scales"].astype(mx.float32),
+                         layer["biases"].astype(mx.float32), group_size=layer.group_size,
+                         bits=layer.bits)
+
+
+def _classes():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class PackedLinear(nn.QuantizedLinear):
+        _head = False
+
+        def __call__(self, x):
+            if self._head and _positions(x) > 1:  # untied output head over a prompt: lazy
+                y = mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"], transpose=True,
+                                        group_size=self.group_size, bits=self.bits)
+            elif _rows(x) >= self._prefill_rows:  # a prompt: transient dense weight, BLAS
+                y = mx.matmul(x, _dequantized(self).T)
+            else:
+                y = matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
+            return y + self["bias"] if "bias" in self else y
+
+    class PackedEmbedding(nn.QuantizedEmbedding):
+        def as_linear(self, x):  # the tied output head
+            if _positions(x) > 1:  # a prompt: lazy, so unused logits are never computed
+                return mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+                                           transpose=True, group_size=self.group_size, bits=self.bits)
+            return matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
+
+    class Bf16Linear(nn.Linear):
+        _head = False
+
+        def __call__(self, x):
+            if _rows(x) >= self._prefill_rows or (self._head and _positions(x) > 1):
+                y = mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
+            else:
+                y = matmul(x, self["weight"])
+            return y + self["bias"].astype(mx.float32) if "bias" in self else y
+
+    class Bf16Embedding(nn.Embedding):
+        def __call__(self, x):
+            return self["weight"][x].astype(mx.float32)
+
+        def as_linear(self, x):
+            if _positions(x) > 1:
+                return mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
+            return matmul(x, self["weight"])
+
+    return PackedLinear, PackedEmbedding, Bf16Linear, Bf16Embedding
+
+
+try:
+    _PackedLinear, _PackedEmbedding, _Bf16Linear, _Bf16Embedding = _classes()
+except ImportError:  # mlx missing: nothing to install into
+    _PackedLinear = _PackedEmbedding = _Bf16Linear = _Bf16Embedding = None

@@ -1,0 +1,515 @@
+/* Packed-weight matrix products for the CPU: y[M,N] = x[M,K] @ W[N,K]^T where W is stored as
+ * MLX stores it, so the served weights are used in place (no copy, no repacking):
+ *
+ *   - affine quantized: `bits` in {2,3,4,5,6,8}, each row a little-endian bit stream of K values
+ *     (uint32 words in memory order), one float32 scale and bias per `group` values
+ *     (w = q * scale + bias, exactly mx.dequantize);
+ *   - bfloat16 dense (bits == 16): tensors a recipe keeps unquantized stay 2 bytes a weight.
+ *
+ * The product is what MLX computes for the dequantized weight, in float32 (no activation
+ * quantization): every weight is dequantized in registers and multiplied with float32 FMAs. One
+ * unpacked weight vector serves up to ROWS input rows, which is where a decode batch gets its
+ * speed-up over one row at a time; past a few dozen rows, dequantizing to a transient dense
+ * matrix and calling BLAS wins (the caller decides, models/kernels/__init__.py).
+ *
+ * Paths: AVX-512 with VBMI (vpermb + vpmultishiftqb unpack any width from the bit stream in three
+ * instructions per 64 weights; Zen 4, Ice Lake and later), and portable C for everything else
+ * (compiled with target clones for AVX2 and the baseline). Work is split over output rows
+ * between a small pool of threads; the GIL is released while they run. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MIXBIT_X86 1
+#endif
+
+#define ROWS 8       /* input rows sharing one dequantized weight vector */
+#define MAX_THREADS 64
+
+typedef struct {
+    const float *x;       /* [M, K] */
+    const uint8_t *w;     /* [N, K*bits/8] or bf16 [N, K] */
+    const float *scales;  /* [N, K/group] */
+    const float *biases;  /* [N, K/group] */
+    float *out;           /* [M, N] */
+    const float *xsum;    /* [M, K/group]: sums of x over each group (affine) */
+    int64_t M, N, K;
+    int bits, group;
+} Job;
+
+typedef void (*RowsFn)(const Job *, int64_t, int64_t);
+
+/* ---------------------------------------------------------------- portable path */
+
+static inline uint32_t extract(const uint8_t *row, int64_t i, int bits) {
+    /* value i of a little-endian bit stream of `bits`-wide values */
+    int64_t bit = i * bits;
+    uint64_t word = 0;
+    int64_t byte = bit >> 3;
+    int need = ((bit & 7) + bits + 7) >> 3;
+    memcpy(&word, row + byte, (size_t)need);
+    return (uint32_t)((word >> (bit & 7)) & ((1u << bits) - 1u));
+}
+
+__attribute__((target_clones("avx2", "default")))
+static void rows_portable(const Job *j, int64_t n0, int64_t n1) {
+    const int64_t K = j->K, M = j->M, N = j->N;
+    float wbuf[256];
+    if (j->bits == 16) {
+        const uint16_t *w = (const uint16_t *)j->w;
+        for (int64_t n = n0; n < n1; n++) {
+            for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+                int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;
+                float acc[ROWS] = {0};
+                for (int64_t k0 = 0; k0 < K; k0 += 256) {
+                    int64_t kb = K - k0 < 256 ? K - k0 : 256;
+                    for (int64_t k = 0; k < kb; k++) {
+                        uint32_t u = (uint32_t)w[n * K + k0 + k] << 16;
+                        memcpy(&wbuf[k], &u, 4);
+                    }
+                    for (int64_t m = 0; m < mb; m++) {
+                        const float *xr = j->x + (m0 + m) * K + k0;
+                        float s = 0;
+                        for (int64_t k = 0; k < kb; k++) s += wbuf[k] * xr[k];
+                        acc[m] += s;
+                    }
+                }
+                for (int64_t m = 0; m < mb; m++) j->out[(m0 + m) * N + n] = acc[m];
+            }
+        }
+        return;
+    }
+    const int bits = j->bits, g = j->group;
+    const int64_t row_bytes = K * bits / 8, ng = K / g;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = j->w + n * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;
+            float acc[ROWS] = {0};
+            for (int64_t gi = 0; gi < ng; gi++) {
+                const float s = j->scales[n * ng + gi], b = j->biases[n * ng + gi];
+                for (int k = 0; k < g; k++)
+                    wbuf[k] = (float)extract(row, gi * g + k, bits) * s + b;
+                for (int64_t m = 0; m < mb; m++) {
+                    const float *xr = j->x + (m0 + m) * K + gi * g;
+                    float t = 0;
+                    for (int k = 0; k < g; k++) t += wbuf[k] * xr[k];
+                    acc[m] += t;
+                }
+            }
+            for (int64_t m = 0; m < mb; m++) j->out[(m0 + m) * N + n] = acc[m];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX-512 path */
+
+#ifdef MIXBIT_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,fma")))
+
+AVX512 static inline __m512 bf16_to_f32(const uint16_t *p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+/* The inner loops are written for a constant number of input rows (MB, 1..ROWS) and inlined
+ * into one function per MB, so the accumulators live in registers. */
+
+AVX512 static inline __attribute__((always_inline)) void bf16_block(
+        const Job *j, int64_t n, const float *xb, float *out, const int MB) {
+    const int64_t K = j->K;
+    const uint16_t *wr = (const uint16_t *)j->w + n * K;
+    __m512 acc[ROWS];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv = bf16_to_f32(wr + k);
+        for (int m = 0; m < MB; m++)
+            acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xb + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < MB; m++) out[m * j->N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+typedef struct {
+    __m512i perm, shift, vmask;
+    __m512i widen[4]; /* byte 16t+i of the unpacked chunk to the low byte of dword i */
+    __mmask64 lmask;
+    int chunk_bytes, gshift;
+} Unpack;
+
+AVX512 static inline __attribute__((always_inline)) void affine_block(
+        const Job *j, const Unpack *u, int64_t n, const float *xb, const float *xs, float *out,
+        const int MB) {
+    /* sum_g s_g * (q_g . x_g) + sum_g b_g * sum(x_g): the scale is applied once per group and
+     * the bias through the group sums of x (computed once per call), so a weight costs one
+     * byte-to-dword permute, one conversion and one FMA per input row */
+    const int64_t K = j->K, ng = K / j->group;
+    const uint8_t *wr = j->w + n * (K * j->bits / 8);
+    const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
+    const int g = j->group;
+    __m512 acc[ROWS], part[ROWS];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    const int64_t step = g < 64 ? 64 : g;
+    for (int64_t c0 = 0; c0 < K; c0 += step) {
+        for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_ps();
+        for (int64_t c = c0; c < c0 + step; c += 64) {
+            __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c >> 6) * u->chunk_bytes);
+            v = _mm512_permutexvar_epi8(u->perm, v);
+            v = _mm512_multishift_epi64_epi8(u->shift, v);
+            v = _mm512_and_si512(v, u->vmask);
+            const int quarters = g < 64 ? g / 16 : 4;
+            for (int t = 0; t < quarters; t++) {
+                __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                    0x1111111111111111ULL, u->widen[t], v));
+                for (int m = 0; m < MB; m++)
+                    part[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xb + m * K + c + 16 * t), part[m]);
+            }
+            if (g < 64) { /* two groups in this chunk of 64 */
+                const int64_t gi = c >> u->gshift;
+                const __m512 s = _mm512_set1_ps(sr[gi]);
+                for (int m = 0; m < MB; m++) {
+                    acc[m] = _mm512_fmadd_ps(part[m], s, acc[m]);
+                    part[m] = _mm512_setzero_ps();
+                }
+                const __m512 s2 = _mm512_set1_ps(sr[gi + 1]);
+                for (int t = 2; t < 4; t++) {
+                    __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                        0x1111111111111111ULL, u->widen[t], v));
+                    for (int m = 0; m < MB; m++)
+                        part[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xb + m * K + c + 16 * t), part[m]);
+                }
+                for (int m = 0; m < MB; m++) {
+                    acc[m] = _mm512_fmadd_ps(part[m], s2, acc[m]);
+                    part[m] = _mm512_setzero_ps();
+                }
+            }
+        }
+        if (g >= 64) {
+            const __m512 s = _mm512_set1_ps(sr[c0 >> u->gshift]);
+            for (int m = 0; m < MB; m++) acc[m] = _mm512_fmadd_ps(part[m], s, acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        float bias = 0;
+        const float *xsm = xs + m * ng;
+        for (int64_t gi = 0; gi < ng; gi++) bias += br[gi] * xsm[gi];
+        out[m * j->N] = _mm512_reduce_add_ps(acc[m]) + bias;
+    }
+}
+
+#define DISPATCH_MB(call)                                                                      \
+    switch (mb) {                                                                              \
+    case 1: call(1); break; case 2: call(2); break; case 3: call(3); break;                    \
+    case 4: call(4); break; case 5: call(5); break; case 6: call(6); break;                    \
+    case 7: call(7); break; default: call(8); break;                                           \
+    }
+
+AVX512 static void rows_bf16_avx512(const Job *j, int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < j->M; m0 += ROWS) {
+        const int mb = (int)(j->M - m0 < ROWS ? j->M - m0 : ROWS);
+        const float *xb = j->x + m0 * j->K;
+        for (int64_t n = n0; n < n1; n++) {
+            float *out = j->out + m0 * j->N + n;
+#define CALL(MB) bf16_block(j, n, xb, out, MB)
+            DISPATCH_MB(CALL)
+#undef CALL
+        }
+    }
+}
+
+AVX512 static void rows_affine_avx512(const Job *j, int64_t n0, int64_t n1) {
+    const int bits = j->bits;
+    /* 64 values of `bits` bits are 8*bits bytes; qword q of the unpack gets bytes q*bits.. and
+     * byte i of it the bits from i*bits on: three instructions per 64 weights for every width */
+    uint8_t perm_b[64], shift_b[64];
+    for (int q = 0; q < 8; q++)
+        for (int i = 0; i < 8; i++) {
+            perm_b[q * 8 + i] = (uint8_t)(q * bits + i);
+            shift_b[q * 8 + i] = (uint8_t)(i * bits);
+        }
+    Unpack u;
+    u.perm = _mm512_loadu_si512(perm_b);
+    u.shift = _mm512_loadu_si512(shift_b);
+    u.vmask = _mm512_set1_epi8((char)((1u << bits) - 1u));
+    u.lmask = bits == 8 ? ~(__mmask64)0 : (((__mmask64)1 << (8 * bits)) - 1);
+    u.chunk_bytes = 8 * bits;
+    u.gshift = __builtin_ctz((unsigned)j->group);
+    for (int t = 0; t < 4; t++) {
+        uint8_t wb[64] = {0};
+        for (int i = 0; i < 16; i++) wb[4 * i] = (uint8_t)(16 * t + i);
+        u.widen[t] = _mm512_loadu_si512(wb);
+    }
+    for (int64_t m0 = 0; m0 < j->M; m0 += ROWS) {
+        const int mb = (int)(j->M - m0 < ROWS ? j->M - m0 : ROWS);
+        const float *xb = j->x + m0 * j->K;
+        const float *xs = j->xsum + m0 * (j->K / j->group);
+        for (int64_t n = n0; n < n1; n++) {
+            float *out = j->out + m0 * j->N + n;
+#define CALL(MB) affine_block(j, &u, n, xb, xs, out, MB)
+            DISPATCH_MB(CALL)
+#undef CALL
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- dispatch */
+
+static int have_avx512 = 0;
+
+static RowsFn choose(const Job *j, const char **name) {
+#ifdef MIXBIT_X86
+    if (have_avx512 && j->K % 64 == 0 &&
+        (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0))) {
+        *name = "avx512";
+        return j->bits == 16 ? rows_bf16_avx512 : rows_affine_avx512;
+    }
+#endif
+    *name = "portable";
+    return rows_portable;
+}
+
+/* ---------------------------------------------------------------- thread pool */
+
+static int n_threads = 1;
+static pthread_t workers[MAX_THREADS];
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
+static atomic_uint_fast64_t generation = 0;
+static atomic_int remaining = 0;
+static const Job *cur_job;
+static RowsFn cur_fn;
+static int64_t cur_block;
+static atomic_int_fast64_t next_block;
+static int pool_started = 0;
+static int spin_us = 50;
+
+static double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static void work(void) {
+    /* output rows in blocks, taken in turn: a thread that started late takes fewer */
+    const int64_t N = cur_job->N;
+    for (;;) {
+        int64_t b = atomic_fetch_add(&next_block, 1);
+        int64_t n0 = b * cur_block;
+        if (n0 >= N) break;
+        int64_t n1 = n0 + cur_block < N ? n0 + cur_block : N;
+        cur_fn(cur_job, n0, n1);
+    }
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    uint64_t seen = 0;
+    for (;;) {
+        /* spin briefly (decode calls come back to back), then sleep */
+        double until = now_us() + spin_us;
+        while (atomic_load(&generation) == seen && now_us() < until) {
+#ifdef MIXBIT_X86
+            _mm_pause();
+#endif
+        }
+        if (atomic_load(&generation) == seen) {
+            pthread_mutex_lock(&pool_mu);
+            while (atomic_load(&generation) == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+            pthread_mutex_unlock(&pool_mu);
+        }
+        seen = atomic_load(&generation);
+        work();
+        atomic_fetch_sub(&remaining, 1);
+    }
+    return NULL;
+}
+
+static void start_pool(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    n_threads = threads;
+    for (int i = 1; i < n_threads; i++) {
+        if (pthread_create(&workers[i], NULL, worker_main, NULL) != 0) {
+            n_threads = i;
+            break;
+        }
+        pthread_detach(workers[i]);
+    }
+    pool_started = 1;
+}
+
+static void run(const Job *j, RowsFn fn) {
+    const int64_t N = j->N;
+    /* small products (a few thousand rows of work) are not worth waking anyone */
+    int64_t work_units = N * j->K * (j->M < ROWS ? j->M : ROWS);
+    if (n_threads <= 1 || work_units < (1 << 18)) {
+        fn(j, 0, N);
+        return;
+    }
+    pthread_mutex_lock(&run_mu);
+    cur_job = j;
+    cur_fn = fn;
+    int64_t block = N / (n_threads * 8);
+    cur_block = block < 16 ? 16 : block;
+    atomic_store(&next_block, 0);
+    atomic_store(&remaining, n_threads - 1);
+    pthread_mutex_lock(&pool_mu);
+    atomic_fetch_add(&generation, 1);
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+    work();
+    while (atomic_load(&remaining) > 0) {
+#ifdef MIXBIT_X86
+        _mm_pause();
+#endif
+    }
+    pthread_mutex_unlock(&run_mu);
+}
+
+/* ---------------------------------------------------------------- Python */
+
+static int get_buf(PyObject *o, Py_buffer *b, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, b, flags) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a C-contiguous%s buffer is required", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(b, 'C')) { /* some exporters ignore the flag */
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_ValueError, "%s: a C-contiguous buffer is required", what);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *ow, *os, *ob, *oo;
+    long long M, N, K;
+    int bits, group;
+    if (!PyArg_ParseTuple(args, "OOOOOLLLii", &ox, &ow, &os, &ob, &oo, &M, &N, &K, &bits, &group))
+        return NULL;
+    if (M < 1 || N < 1 || K < 1)
+        return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld", M, N, K);
+    int affine = bits != 16;
+    if (affine && !(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8))
+        return PyErr_Format(PyExc_ValueError, "bits must be 2, 3, 4, 5, 6, 8 or 16, not %d", bits);
+    if (affine && (group < 16 || K % group || (K * bits) % 32))
+        return PyErr_Format(PyExc_ValueError, "group %d does not divide K=%lld", group, K);
+    Py_buffer bx, bw, bs = {0}, bb = {0}, bo;
+    if (get_buf(ox, &bx, 0, "x")) return NULL;
+    if (get_buf(ow, &bw, 0, "w")) goto fail_x;
+    if (affine && get_buf(os, &bs, 0, "scales")) goto fail_w;
+    if (affine && get_buf(ob, &bb, 0, "biases")) goto fail_s;
+    if (get_buf(oo, &bo, 1, "out")) goto fail_b;
+    Py_ssize_t wbytes = affine ? (Py_ssize_t)(N * K * bits / 8) : (Py_ssize_t)(N * K * 2);
+    if (bx.len != (Py_ssize_t)(M * K * 4) || bw.len != wbytes || bo.len != (Py_ssize_t)(M * N * 4) ||
+        (affine && (bs.len != (Py_ssize_t)(N * (K / group) * 4) ||
+                    bb.len != (Py_ssize_t)(N * (K / group) * 4)))) {
+        PyErr_Format(PyExc_ValueError,
+                     "buffer sizes do not match M=%lld N=%lld K=%lld bits=%d group=%d "
+                     "(x %zd, w %zd, out %zd bytes)", M, N, K, bits, group, bx.len, bw.len, bo.len);
+        goto fail_o;
+    }
+    float *xsum = NULL;
+    if (affine) {
+        const int64_t ng = K / group;
+        xsum = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
+        if (!xsum) { PyErr_NoMemory(); goto fail_o; }
+        const float *x = bx.buf;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t gi = 0; gi < ng; gi++) {
+                float s = 0;
+                for (int k = 0; k < group; k++) s += x[m * K + gi * group + k];
+                xsum[m * ng + gi] = s;
+            }
+    }
+    Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum,
+             M, N, K, bits, group};
+    const char *name;
+    RowsFn fn = choose(&j, &name);
+    Py_BEGIN_ALLOW_THREADS
+    run(&j, fn);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(xsum);
+    PyBuffer_Release(&bo);
+    if (affine) { PyBuffer_Release(&bb); PyBuffer_Release(&bs); }
+    PyBuffer_Release(&bw);
+    PyBuffer_Release(&bx);
+    Py_RETURN_NONE;
+fail_o:
+    PyBuffer_Release(&bo);
+fail_b:
+    if (affine) PyBuffer_Release(&bb);
+fail_s:
+    if (affine) PyBuffer_Release(&bs);
+fail_w:
+    PyBuffer_Release(&bw);
+fail_x:
+    PyBuffer_Release(&bx);
+    return NULL;
+}
+
+static PyObject *py_info(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return Py_BuildValue("{s:s,s:i,s:i}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
+                         "threads", n_threads, "rows_per_pass", ROWS);
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    (void)self;
+    int t;
+    if (!PyArg_ParseTuple(args, "i", &t)) return NULL;
+    if (pool_started) {
+        if (t != n_threads)
+            return PyErr_Format(PyExc_RuntimeError, "the pool already runs %d threads", n_threads);
+        Py_RETURN_NONE;
+    }
+    start_pool(t);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_force_portable(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef MIXBIT_X86
+    have_avx512 = on ? 0 : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl"));
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS,
+     "matmul(x, w, scales, biases, out, M, N, K, bits, group): out[M,N] = x[M,K] @ W^T for MLX "
+     "packed W (bits 2-8, affine, float32 scales/biases) or bfloat16 W (bits 16)."},
+    {"info", py_info, METH_NOARGS, "the instruction set path and thread count in use"},
+    {"set_threads", py_set_threads, METH_VARARGS, "start the pool with this many threads (once)"},
+    {"force_portable", py_force_portable, METH_VARARGS, "use (or stop using) the portable path"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernel", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__qkernel(void) {
+#ifdef MIXBIT_X86
+    __builtin_cpu_init();
+    have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
+#endif
+    const char *spin = getenv("MIXBIT_KERNEL_SPIN_US");
+    if (spin) spin_us = atoi(spin);
+    return PyModule_Create(&module);
+}

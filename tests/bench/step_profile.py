@@ -1,0 +1,197 @@
+"""Where one decode step and one prefill chunk spend their time, at a real Qwen3.5 shape.
+
+    .venv/bin/python tests/bench/step_profile.py FOLDER [--mode auto|packed|dense] [--batch 1,8]
+
+FOLDER: a checkpoint or a cached variant (e.g. the 0.8B shape's mixbit-auto, see
+tests/bench/kernel_serve_bench.py). Loads it through mixbit's own loader (the CPU kernels or dense
+float32, `--mode`), then times: whole decode steps (batch 1 and 8), one 256-token prefill chunk,
+and the same steps with every module synchronised (mx.eval after each) to attribute the time:
+projections (per kind), the GatedDeltaNet recurrence and conv (the linear-attention layer minus
+its projections), gated attention (the attention layer minus its projections), MLP activation,
+the head, and the rest (norms, residuals, embedding). Then sampling over the full vocabulary:
+greedy, top-p/top-k, logprobs. Prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def _timed(fn, reps=5):
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder")
+    ap.add_argument("--mode", default="auto", choices=["auto", "packed", "dense"])
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--prefill", type=int, default=256)
+    args = ap.parse_args(argv)
+
+    from mixbit.models.blas import ensure_fast_blas
+
+    ensure_fast_blas()
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mixbit.models import kernels
+    from mixbit.models.loading import load
+    from mixbit.models.registry import resolve
+
+    t0 = time.perf_counter()
+    lm = load(resolve(args.folder, allow_download=False), path=Path(args.folder), cpu_quantized=args.mode)
+    model = lm.model
+    print(f"loaded in {time.perf_counter() - t0:.1f} s; kernels {kernels.info()}")
+    if lm.cpu_plan:
+        print("\n| out | in | bits | group | runs | kernel ms (1 row) | dense ms (1 row) | BLAS from rows |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in lm.cpu_plan["shapes"]:
+            print(f"| {r['out']} | {r['in']} | {r['bits']} | {r['group']} | {r['runs']} | "
+                  f"{r['kernel_ms_1row']} | {r['dense_ms_1row']} | {r['prefill_from_rows']} |")
+    vocab = getattr(model, "language_model", model).model.embed_tokens.weight.shape[0]
+
+    def fresh(batch, length=32):
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.zeros((batch, length), dtype=mx.int32) + 7, cache=cache))
+        return cache
+
+    rows = []
+    for b in [int(x) for x in args.batch.split(",")]:
+        cache = fresh(b)
+        tok = mx.zeros((b, 1), dtype=mx.int32) + 11
+
+        def step():
+            mx.eval(model(tok, cache=cache))
+
+        rows.append((f"decode step, batch {b}", _timed(step, 8)))
+    cache = fresh(1)
+    chunk = mx.arange(args.prefill, dtype=mx.int32)[None] % 1000 + 5
+
+    def prefill():
+        c = make_prompt_cache(model)
+        mx.eval(model(chunk, cache=c)[:, -1])  # the head at the last position only, as served
+
+    rows.append((f"prefill chunk of {args.prefill} tokens", _timed(prefill, 2)))
+    print("\n| step | ms |\n|---|---|")
+    for name, s in rows:
+        print(f"| {name} | {s * 1e3:.1f} |")
+
+    # attribution: wrap modules, synchronise after each
+    times = defaultdict(float)
+    projections = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+    originals = {}
+
+    def label(path, module):
+        if "embed_tokens" in path:
+            return "embedding lookup"
+        last = path.rsplit(".", 1)[-1]
+        return f"projection {last}"
+
+    def wrap(cls, name_of):
+        orig = cls.__call__
+        originals[cls] = orig
+
+        def call(self, *a, **k):
+            mx.eval(a[0]) if a and isinstance(a[0], mx.array) else None
+            t = time.perf_counter()
+            out = orig(self, *a, **k)
+            mx.eval(out)
+            times[name_of(self)] += time.perf_counter() - t
+            return out
+        cls.__call__ = call
+
+    paths = {id(m): p for p, m in model.named_modules()}
+    wrapped = set()
+    for _, m in model.named_modules():
+        cls = type(m)
+        if cls in wrapped:
+            continue
+        if isinstance(m, projections):
+            wrap(cls, lambda s: label(paths.get(id(s), ""), s))
+            wrapped.add(cls)
+        elif cls.__name__ in ("GatedDeltaNet", "Qwen3NextAttention", "Qwen3NextMLP"):
+            wrap(cls, lambda s: f"layer {type(s).__name__}")
+            wrapped.add(cls)
+    lang = getattr(model, "language_model", model)
+    head_owner = lang.model.embed_tokens if not hasattr(lang, "lm_head") else None
+    if head_owner is not None:
+        orig_head = type(head_owner).as_linear
+
+        def as_linear(self, x):
+            mx.eval(x)
+            t = time.perf_counter()
+            out = orig_head(self, x)
+            mx.eval(out)
+            times["head"] += time.perf_counter() - t
+            return out
+        type(head_owner).as_linear = as_linear
+
+    def attribute(title, run, reps):
+        run()
+        times.clear()
+        t = time.perf_counter()
+        for _ in range(reps):
+            run()
+        total = (time.perf_counter() - t) / reps
+        proj = {k: v / reps for k, v in times.items() if k.startswith("projection")}
+        layer = {k: v / reps for k, v in times.items() if k.startswith("layer")}
+        print(f"\n### {title}, every module synchronised: {total * 1e3:.1f} ms\n")
+        print("| part | ms | share |\n|---|---|---|")
+        # a layer's own time minus the projections it calls
+        own = {"GatedDeltaNet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+               "Qwen3NextAttention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+               "Qwen3NextMLP": ("gate_proj", "up_proj", "down_proj")}
+        names = {"GatedDeltaNet": "GatedDeltaNet recurrence, conv, norm",
+                 "Qwen3NextAttention": "attention core (RoPE, SDPA, gate)",
+                 "Qwen3NextMLP": "MLP activation"}
+        parts = {}
+        for kind, inner_names in own.items():
+            inner = sum(proj.get(f"projection {n}", 0.0) for n in inner_names)
+            if f"layer {kind}" in layer:
+                parts[names[kind]] = layer[f"layer {kind}"] - inner
+        for k, v in sorted(proj.items()):
+            parts[k] = v
+        parts["head (tied embedding)"] = times.get("head", 0.0) / reps
+        parts["rest (norms, residuals, embedding, Python)"] = total - sum(parts.values())
+        for k, v in parts.items():
+            print(f"| {k} | {v * 1e3:.2f} | {100 * v / total:.0f}% |")
+
+    for b in [int(x) for x in args.batch.split(",")]:
+        cache = fresh(b)
+        tok = mx.zeros((b, 1), dtype=mx.int32) + 11
+        attribute(f"decode step, batch {b}", lambda: mx.eval(model(tok, cache=cache)), 4)
+    attribute(f"prefill chunk of {args.prefill} tokens", prefill, 1)
+
+    # sampling over the full vocabulary
+    from mlx_lm.sample_utils import make_sampler
+
+    v = vocab or 248320
+    logits = mx.random.normal((1, v))
+    mx.eval(logits)
+    samplers = {
+        "greedy (argmax)": lambda x: mx.argmax(x, -1),
+        "temperature 0.7": make_sampler(temp=0.7),
+        "top_p 0.9": make_sampler(temp=0.7, top_p=0.9),
+        "top_k 40": make_sampler(temp=0.7, top_k=40),
+        "logprobs (log-softmax)": lambda x: x - mx.logsumexp(x, -1, keepdims=True),
+    }
+    print(f"\n### sampling over {v} tokens (one row)\n\n| sampler | ms |\n|---|---|")
+    for name, fn in samplers.items():
+        ms = _timed(lambda: mx.eval(fn(logits)), 10) * 1e3
+        print(f"| {name} | {ms:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
