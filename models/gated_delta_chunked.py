@@ -91,12 +91,30 @@ def chunked_gated_delta(q, k, v, g, beta, state, mask=None, chunk: int = CHUNK):
     return y.transpose(0, 2, 1, 3).astype(out_dtype), s
 
 
+def _step_kernel():
+    from . import kernels
+
+    return kernels.gated_delta_step if kernels.available() else None
+
+
 def _patched_update(original):
     from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
 
     def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                            use_kernel=True, lower_bound=None, allow_neg_eigval=False):
         metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+        if not metal and q.shape[1] == 1 and mask is None and a.ndim == 3 and use_kernel \
+                and _step_kernel() is not None:
+            # a decode step on CPU: one pass over the state (models/kernels)
+            beta = mx.sigmoid(b)
+            if allow_neg_eigval:
+                beta = beta * 2.0
+            g = (compute_g(A_log, a, dt_bias) if lower_bound is None
+                 else compute_lower_bound_g(A_log, a, dt_bias, lower_bound))
+            if state is None:
+                state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
+            y, state = _step_kernel()(q, k, v, g, beta, state)
+            return y.astype(q.dtype), state
         if metal or q.shape[1] < MIN_TOKENS or a.ndim != 3:
             return original(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
                             lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)

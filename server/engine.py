@@ -23,6 +23,8 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache
 
+from ..models.kernels import prompt_logits_unused
+
 from .sampling import SamplingParams, greedy, make_processors, make_sampler
 
 log = logging.getLogger("mixbit.engine")
@@ -388,7 +390,8 @@ class Engine:
         self.stats.cached_tokens_total += seq.cached
 
     def _step(self, gen: BatchGenerator) -> None:
-        prompt_responses, responses = gen.next()
+        with prompt_logits_unused():  # the kernels leave prompt logits lazy (never computed)
+            prompt_responses, responses = gen.next()
         # keep the prompt's cache (without its last token) so a resend of the same prefix is free
         ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
                 and r.uid in self._active]

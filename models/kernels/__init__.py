@@ -1,26 +1,33 @@
 """Packed weights served packed on the CPU: our own kernels on MLX's buffers.
 
 MLX's CPU `quantized_matmul` is no faster than dense float32 for one row and its cost grows with
-every row (tests/bench/qmm_bench.py; issue 16's table: 636 ms for one decode step of the 0.8B
-shape's projections), so until now a quantized variant was dequantized to float32 at load and
-served from ~7x its own bytes. `_qkernel` (qkernel.c, built at install) multiplies float32
-activations by the weights exactly as MLX stores them - affine 2/3/4/5/6/8-bit groups of 32/64/128
-and bfloat16 - reading the weight buffers in place, so a variant is served from its own bytes.
+every row (issue 16's table: 636 ms for one decode step of the 0.8B shape's projections), so until
+now a quantized variant was dequantized to float32 at load and served from ~7x its own bytes.
+`_qkernel` (qkernel.c, built at install) reads the weights exactly as MLX stores them - affine
+2/3/4/5/6/8-bit in groups of 32/64/128, and bfloat16 - in place, so a variant is served from its
+own bytes:
 
-The result is what MLX computes for the dequantized weight, in float32 (to rounding; tests check
-it against `mx.dequantize` + matmul for every width and group size). Prompts (many rows at once)
-go through a transient dequantized weight and BLAS instead (`PREFILL_ROWS`).
+- decode rows (a few per call): float32 FMAs on the packed weights, unpacked in registers;
+- prompt rows (from a crossover measured per layer shape, ~16-64 rows): the weight dequantized in
+  tiles of at most 64 MB and multiplied by cblas_sgemm (the OpenBLAS models/blas.py loads).
 
-`install(model)` switches a loaded model's QuantizedLinear, QuantizedEmbedding (a tied output
-head) and bfloat16 Linear layers to these kernels. Each call evaluates its input (one
-synchronisation per projection, ~20-60 us here), which is why `auto` in models/loading.py picks
-between this and dense float32 by timing decode steps of the model at hand.
+Both compute what MLX computes for the dequantized weight, in float32 (to rounding; tests/
+test_kernels.py checks every width and group size). An int8-activation (VNNI) mode is there and
+measured, but not used: 1.7x the float kernel at 0.6% error, and slower than BLAS for prompts.
+
+`serve(model)` times each layer shape here and switches the model's QuantizedLinear,
+QuantizedEmbedding (a tied output head) and bfloat16 Linear layers. Each kernel call evaluates its
+input (a synchronisation, ~20-60 us), which is why small projections stay dense inside MLX's graph
+and why "auto" keeps a layer dense where that measured faster (the embedded model). The output
+head of a prompt stays lazy: mlx-lm's prompt processing never evaluates those logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 
 log = logging.getLogger("mixbit.models")
 
@@ -30,11 +37,6 @@ try:
 except ImportError as exc:  # a source checkout without a compiler, or a foreign platform
     _qkernel = None
     IMPORT_ERROR = str(exc)
-
-# Rows (tokens in the call) from which a layer multiplies through a transient dequantized
-# weight and BLAS instead of the packed kernel. tests/bench/kernel_bench.py measures the
-# crossover per shape (0.8B shape, 4-bit: the kernel wins up to ~24-32 rows).
-PREFILL_ROWS = 24
 
 # Projections under this many weights (Qwen3.5's in_proj_a/in_proj_b: heads x hidden) are not
 # worth a synchronisation: they run dense inside MLX's graph (a few hundred KB at most).
@@ -80,9 +82,15 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
     return bits in (2, 3, 4, 5, 6, 8) and group_size >= 32 and in_features % group_size == 0
 
 
-def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int = 0):
+FLOAT, INT8, BLAS = 0, 1, 2  # the kernel's modes (qkernel.c)
+
+
+def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int = 0, mode: int = FLOAT):
     """x[..., K] @ W^T for MLX's packed `weight` (affine, `bits` 2-8, float32 scales/biases)
-    or a bfloat16 `weight` (bits=16). Returns float32 [..., N]."""
+    or a bfloat16 `weight` (bits=16). Returns float32 [..., N]. `mode`: FLOAT (float32 FMAs on
+    the packed weights, for a few rows), BLAS (dequantized in tiles and multiplied by
+    cblas_sgemm, for many rows), INT8 (activations quantized to int8 per group and multiplied
+    with VNNI: measured, not used - see docs/cpu-serving.md)."""
     import mlx.core as mx
     import numpy as np
 
@@ -97,10 +105,51 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     mx.eval(x2)
     out = np.empty((m, n), dtype=np.float32)
     if bits == 16:
-        _qkernel.matmul(x2, weight, weight, weight, out, m, n, k, 16, 0)
+        _qkernel.matmul(x2, weight, weight, weight, out, m, n, k, 16, 0, mode)
     else:
-        _qkernel.matmul(x2, weight, scales, biases, out, m, n, k, bits, group_size)
+        _qkernel.matmul(x2, weight, scales, biases, out, m, n, k, bits, group_size, mode)
     return mx.array(out).reshape(*lead, n)
+
+
+def gated_delta_step(q, k, v, g, beta, state):
+    """One decode step of the gated delta rule (mlx-lm's `_gated_delta_step_ops` contract for
+    scalar gates, T = 1): q, k [B, 1, Hk, Dk]; v [B, 1, Hv, Dv]; g, beta [B, 1, Hv]; state
+    [B, Hv, Dv, Dk]. Returns y [B, 1, Hv, Dv] and the new state, in float32."""
+    import mlx.core as mx
+    import numpy as np
+
+    start()
+    B, _, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if Hv // Hk > 1:
+        q = mx.repeat(q, Hv // Hk, axis=-2)
+        k = mx.repeat(k, Hv // Hk, axis=-2)
+    f32 = mx.float32
+    args = [mx.contiguous(a.astype(f32)) for a in (q, k, v, g, beta, state)]
+    mx.eval(args)
+    y = np.empty((B, 1, Hv, Dv), np.float32)
+    new = np.empty((B, Hv, Dv, Dk), np.float32)
+    _qkernel.gated_delta_step(*args, y, new, B * Hv, Dk, Dv)
+    return mx.array(y), mx.array(new)
+
+
+_blas = None
+
+
+def blas_available() -> bool:
+    """Whether the process has a cblas_sgemm the BLAS mode can call (models/blas.py loads
+    OpenBLAS process-wide; MLX's bundled BLAS is not visible)."""
+    global _blas
+    if _blas is None:
+        import mlx.core as mx
+
+        try:
+            w = mx.zeros((8, 64), dtype=mx.bfloat16)
+            matmul(mx.zeros((1, 64)), w, mode=BLAS)
+            _blas = True
+        except RuntimeError:
+            _blas = False
+    return _blas
 
 
 def _candidates(model, small: int = 0):
@@ -142,39 +191,35 @@ def _time(fn, reps: int, rounds: int = 3) -> float:
     return best
 
 
-def measure(module, rows=(32, 256), budget_s: float = 0.05) -> dict:
-    """Seconds per call of one layer for one row: the packed kernel (with the synchronisation it
-    costs) and dense float32 (as it runs inside a lazy graph: several products per evaluation);
-    and at `rows` rows, the kernel against the transient dequantize-then-BLAS path. Each timing
-    takes about `budget_s`; the transient path is not timed for weights over 16M values (the
-    248k-token head), whose prompt rows stay on the kernel (a dense copy would cost more than
-    the product)."""
+def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
+    """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT), the tiled
+    dequantize-then-BLAS path (BLAS, when the process has a cblas_sgemm) and, for one row,
+    dense float32 as it runs inside a lazy graph (several products per evaluation). Each timing
+    takes about `budget_s`."""
     import mlx.core as mx
 
     n, k, bits, group = _shape_key(module)
     w, s, b = module["weight"], module.get("scales"), module.get("biases")
     if bits != 16:
         s, b = s.astype(mx.float32), b.astype(mx.float32)
-
-    def densify():
-        return w.astype(mx.float32) if bits == 16 else mx.dequantize(w, s, b, group_size=group, bits=bits)
-
-    dense = densify()
+    dense = w.astype(mx.float32) if bits == 16 else mx.dequantize(w, s, b, group_size=group, bits=bits)
     mx.eval(dense, s, b)
     out = {}
-    for m in (1, *rows):
+    for m in rows:
         x = mx.random.normal((m, k))
         mx.eval(x)
-        t_one = _time(lambda: matmul(x, w, s, b, bits, group), 1)
+        t_one = _time(lambda: matmul(x, w, s, b, bits, group), 1, rounds=1)
         reps = max(1, min(64, int(budget_s / max(t_one, 1e-6))))
         chain = min(reps, 8)
         # in a model the kernel's input is a lazy result: its evaluation is part of the cost
         kinds = {"kernel": lambda: [matmul(x * 1.0, w, s, b, bits, group) for _ in range(chain)]}
+        if blas_available():
+            kinds["blas"] = lambda: [matmul(x * 1.0, w, s, b, bits, group, mode=BLAS) for _ in range(chain)]
         if m == 1:
             kinds["dense"] = lambda: mx.eval([mx.matmul(x, dense.T) for _ in range(chain)])
-        elif n * k <= 1 << 24:
-            kinds["transient"] = lambda: [mx.eval(mx.matmul(x, densify().T)) for _ in range(chain)]
         out[m] = {name: _time(fn, max(1, reps // chain)) / chain for name, fn in kinds.items()}
+        if m > 1 and out[m].get("blas", float("inf")) < out[m]["kernel"]:
+            break  # the crossover: BLAS from here on
     del dense
     return out
 
@@ -185,7 +230,7 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     timing it here (`measure`): "auto" keeps a layer packed on the kernel unless dense float32
     measured faster for one decode row and its dense weight fits `dense_budget` (bytes, over
     all such layers); "packed" keeps every supported layer packed. A packed layer multiplies
-    prompts (rows >= its measured crossover) through a transient dequantized weight and BLAS.
+    prompts (rows >= its measured crossover) through tiles of dequantized weight and BLAS.
     `restore`: bfloat16 weights by module path to put back (the loader cast everything to
     float32; the kernel reads bfloat16 itself). Returns a summary for the log and /v1/models."""
     import mlx.core as mx
@@ -207,11 +252,11 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             timings[key] = measure(module)
     # dense where it measured faster for one row, largest gain per byte first, within budget
     budget = dense_budget if mode == "auto" else 0
-    # Small layers (dense float32 up to 64 MB) stay dense unless the kernel is more than twice
-    # as fast: their bytes do not matter, and a near tie would flip from start to start.
+    # dense where it measured faster for one row (on two cores, mixing OpenBLAS's threads with
+    # the kernels' in one decode step costs more than either: a layer goes dense only if it wins
+    # by a margin)
     def prefer_dense(key, t):
-        small_layer = key[0] * key[1] * 4 <= 64 << 20
-        return t[1]["dense"] < (2.0 if small_layer else 1.0) * t[1]["kernel"]
+        return t[1]["dense"] * 1.25 < t[1]["kernel"]
 
     gains = sorted(((t[1]["kernel"] - t[1]["dense"], key) for key, t in timings.items()
                     if prefer_dense(key, t)), reverse=True)
@@ -236,10 +281,10 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             swaps.append((path, _dense_module(module)))
             summary["dense"] += 1
             continue
-        # the kernel's cost grows with every 8 rows, BLAS's far more slowly: from the measured
-        # row counts where the transient dense path wins, take the smallest
-        wins = [m for m in sorted(t) if m > 1 and t[m].get("transient", float("inf")) < t[m]["kernel"]]
-        cross = (wins[0] if wins[0] == min(m for m in t if m > 1) else wins[0] // 2) if wins else 1 << 30
+        # the kernel's cost grows with every row, BLAS's far more slowly: BLAS from the
+        # smallest measured row count where it won (or past the largest measured)
+        wins = [m for m in sorted(t) if m > 1 and t[m].get("blas", float("inf")) < t[m]["kernel"]]
+        cross = wins[0] if wins else 2 * max(t)
         module._prefill_rows = cross
         module._head = path.endswith("lm_head")
         if kind == "quantized":
@@ -286,10 +331,28 @@ def _rows(x) -> int:
 
 
 def _positions(x) -> int:
-    """Positions per sequence: the kernels run eagerly, and mlx-lm's prompt processing calls the
-    model for its cache alone and never evaluates the logits, so the output head runs lazily in
-    MLX (and is then never computed) unless each sequence has one position (decode)."""
     return x.shape[-2] if x.ndim >= 3 else 1
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_logits_unused():
+    """The kernels run eagerly, and mlx-lm's prompt processing calls the model for its cache
+    alone and never evaluates the logits: inside this context (the engine's steps), the output
+    head over a prompt (several positions per sequence) stays a lazy MLX operation, never
+    computed. Everywhere else (fidelity scoring, prompt logprobs) it runs on the kernels."""
+    before = getattr(_local, "lazy_head", False)
+    _local.lazy_head = True
+    try:
+        yield
+    finally:
+        _local.lazy_head = before
+
+
+def _lazy_head(x) -> bool:
+    return _positions(x) > 1 and getattr(_local, "lazy_head", False)
 
 
 def _dequantized(layer):
@@ -308,28 +371,34 @@ def _classes():
         _head = False
 
         def __call__(self, x):
-            if self._head and _positions(x) > 1:  # untied output head over a prompt: lazy
+            if self._head and _lazy_head(x):  # untied output head over a prompt: lazy
                 y = mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"], transpose=True,
                                         group_size=self.group_size, bits=self.bits)
-            elif _rows(x) >= self._prefill_rows:  # a prompt: transient dense weight, BLAS
-                y = mx.matmul(x, _dequantized(self).T)
+            elif _rows(x) >= self._prefill_rows:  # a prompt: dequantized in tiles, BLAS
+                y = (matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size,
+                            mode=BLAS) if blas_available() else mx.matmul(x, _dequantized(self).T))
             else:
                 y = matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
             return y + self["bias"] if "bias" in self else y
 
     class PackedEmbedding(nn.QuantizedEmbedding):
         def as_linear(self, x):  # the tied output head
-            if _positions(x) > 1:  # a prompt: lazy, so unused logits are never computed
+            if _lazy_head(x):  # a prompt whose logits nobody reads: lazy, never computed
                 return mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
                                            transpose=True, group_size=self.group_size, bits=self.bits)
-            return matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
+            mode = BLAS if _rows(x) >= self._prefill_rows and blas_available() else FLOAT
+            return matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size,
+                          mode=mode)
 
     class Bf16Linear(nn.Linear):
         _head = False
 
         def __call__(self, x):
-            if _rows(x) >= self._prefill_rows or (self._head and _positions(x) > 1):
+            if self._head and _lazy_head(x):  # lazy: unused prompt logits are never computed
                 y = mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
+            elif _rows(x) >= self._prefill_rows:
+                y = (matmul(x, self["weight"], mode=BLAS) if blas_available() else
+                     mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T))
             else:
                 y = matmul(x, self["weight"])
             return y + self["bias"].astype(mx.float32) if "bias" in self else y
@@ -339,9 +408,10 @@ def _classes():
             return self["weight"][x].astype(mx.float32)
 
         def as_linear(self, x):
-            if _positions(x) > 1:
+            if _lazy_head(x):
                 return mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
-            return matmul(x, self["weight"])
+            mode = BLAS if _rows(x) >= self._prefill_rows and blas_available() else FLOAT
+            return matmul(x, self["weight"], mode=mode)
 
     return PackedLinear, PackedEmbedding, Bf16Linear, Bf16Embedding
 

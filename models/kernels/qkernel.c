@@ -17,6 +17,7 @@
  * (compiled with target clones for AVX2 and the baseline). Work is split over output rows
  * between a small pool of threads; the GIL is released while they run. */
 
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -26,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+#include <math.h>
+#include <dlfcn.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -42,6 +45,12 @@ typedef struct {
     const float *biases;  /* [N, K/group] */
     float *out;           /* [M, N] */
     const float *xsum;    /* [M, K/group]: sums of x over each group (affine) */
+    const int8_t *x8;     /* [M, K]: x quantized to int8 per group (the int8 path) */
+    const float *xscale;  /* [M, K/group]: the scale of each group of x8 */
+    const float *xcorr;   /* [M, K/group]: (sum(x) - scale * sum(x8)) / group, see vnni_block */
+    float *deq_dst;       /* the dequantize path: rows from deq_row0 on, as float32 */
+    int64_t deq_row0;
+    const void *ctx;      /* other work on the pool (gated_delta_step) */
     int64_t M, N, K;
     int bits, group;
 } Job;
@@ -150,51 +159,57 @@ AVX512 static inline __attribute__((always_inline)) void affine_block(
         const int MB) {
     /* sum_g s_g * (q_g . x_g) + sum_g b_g * sum(x_g): the scale is applied once per group and
      * the bias through the group sums of x (computed once per call), so a weight costs one
-     * byte-to-dword permute, one conversion and one FMA per input row */
+     * byte-to-dword permute, one conversion and one FMA per input row. With few rows, several
+     * partial sums per row break the FMA latency chain (4 for one row, 2 for up to 4 rows). */
+    const int NA = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
     const int64_t K = j->K, ng = K / j->group;
     const uint8_t *wr = j->w + n * (K * j->bits / 8);
     const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
     const int g = j->group;
-    __m512 acc[ROWS], part[ROWS];
+    __m512 acc[ROWS], part[ROWS][4];
     for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
     const int64_t step = g < 64 ? 64 : g;
     for (int64_t c0 = 0; c0 < K; c0 += step) {
-        for (int m = 0; m < MB; m++) part[m] = _mm512_setzero_ps();
+        for (int m = 0; m < MB; m++)
+            for (int a = 0; a < NA; a++) part[m][a] = _mm512_setzero_ps();
         for (int64_t c = c0; c < c0 + step; c += 64) {
             __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c >> 6) * u->chunk_bytes);
             v = _mm512_permutexvar_epi8(u->perm, v);
             v = _mm512_multishift_epi64_epi8(u->shift, v);
             v = _mm512_and_si512(v, u->vmask);
-            const int quarters = g < 64 ? g / 16 : 4;
-            for (int t = 0; t < quarters; t++) {
-                __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
-                    0x1111111111111111ULL, u->widen[t], v));
-                for (int m = 0; m < MB; m++)
-                    part[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xb + m * K + c + 16 * t), part[m]);
-            }
-            if (g < 64) { /* two groups in this chunk of 64 */
-                const int64_t gi = c >> u->gshift;
-                const __m512 s = _mm512_set1_ps(sr[gi]);
-                for (int m = 0; m < MB; m++) {
-                    acc[m] = _mm512_fmadd_ps(part[m], s, acc[m]);
-                    part[m] = _mm512_setzero_ps();
-                }
-                const __m512 s2 = _mm512_set1_ps(sr[gi + 1]);
-                for (int t = 2; t < 4; t++) {
+            if (g >= 64) {
+                for (int t = 0; t < 4; t++) {
                     __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
                         0x1111111111111111ULL, u->widen[t], v));
                     for (int m = 0; m < MB; m++)
-                        part[m] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xb + m * K + c + 16 * t), part[m]);
+                        part[m][t % NA] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xb + m * K + c + 16 * t),
+                                                          part[m][t % NA]);
                 }
-                for (int m = 0; m < MB; m++) {
-                    acc[m] = _mm512_fmadd_ps(part[m], s2, acc[m]);
-                    part[m] = _mm512_setzero_ps();
+            } else { /* g == 32: two groups in this chunk of 64 */
+                for (int half = 0; half < 2; half++) {
+                    for (int t = 2 * half; t < 2 * half + 2; t++) {
+                        __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                            0x1111111111111111ULL, u->widen[t], v));
+                        for (int m = 0; m < MB; m++)
+                            part[m][t % NA] = _mm512_fmadd_ps(
+                                q, _mm512_loadu_ps(xb + m * K + c + 16 * t), part[m][t % NA]);
+                    }
+                    const __m512 s = _mm512_set1_ps(sr[(c >> 5) + half]);
+                    for (int m = 0; m < MB; m++)
+                        for (int a = 0; a < NA; a++) {
+                            acc[m] = _mm512_fmadd_ps(part[m][a], s, acc[m]);
+                            part[m][a] = _mm512_setzero_ps();
+                        }
                 }
             }
         }
         if (g >= 64) {
             const __m512 s = _mm512_set1_ps(sr[c0 >> u->gshift]);
-            for (int m = 0; m < MB; m++) acc[m] = _mm512_fmadd_ps(part[m], s, acc[m]);
+            for (int m = 0; m < MB; m++) {
+                __m512 t = part[m][0];
+                for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, part[m][a]);
+                acc[m] = _mm512_fmadd_ps(t, s, acc[m]);
+            }
         }
     }
     for (int m = 0; m < MB; m++) {
@@ -225,7 +240,7 @@ AVX512 static void rows_bf16_avx512(const Job *j, int64_t n0, int64_t n1) {
     }
 }
 
-AVX512 static void rows_affine_avx512(const Job *j, int64_t n0, int64_t n1) {
+AVX512 static void make_unpack(Unpack *up, const Job *j) {
     const int bits = j->bits;
     /* 64 values of `bits` bits are 8*bits bytes; qword q of the unpack gets bytes q*bits.. and
      * byte i of it the bits from i*bits on: three instructions per 64 weights for every width */
@@ -235,18 +250,22 @@ AVX512 static void rows_affine_avx512(const Job *j, int64_t n0, int64_t n1) {
             perm_b[q * 8 + i] = (uint8_t)(q * bits + i);
             shift_b[q * 8 + i] = (uint8_t)(i * bits);
         }
-    Unpack u;
-    u.perm = _mm512_loadu_si512(perm_b);
-    u.shift = _mm512_loadu_si512(shift_b);
-    u.vmask = _mm512_set1_epi8((char)((1u << bits) - 1u));
-    u.lmask = bits == 8 ? ~(__mmask64)0 : (((__mmask64)1 << (8 * bits)) - 1);
-    u.chunk_bytes = 8 * bits;
-    u.gshift = __builtin_ctz((unsigned)j->group);
+    up->perm = _mm512_loadu_si512(perm_b);
+    up->shift = _mm512_loadu_si512(shift_b);
+    up->vmask = _mm512_set1_epi8((char)((1u << bits) - 1u));
+    up->lmask = bits == 8 ? ~(__mmask64)0 : (((__mmask64)1 << (8 * bits)) - 1);
+    up->chunk_bytes = 8 * bits;
+    up->gshift = __builtin_ctz((unsigned)j->group);
     for (int t = 0; t < 4; t++) {
         uint8_t wb[64] = {0};
         for (int i = 0; i < 16; i++) wb[4 * i] = (uint8_t)(16 * t + i);
-        u.widen[t] = _mm512_loadu_si512(wb);
+        up->widen[t] = _mm512_loadu_si512(wb);
     }
+}
+
+AVX512 static void rows_affine_avx512(const Job *j, int64_t n0, int64_t n1) {
+    Unpack u;
+    make_unpack(&u, j);
     for (int64_t m0 = 0; m0 < j->M; m0 += ROWS) {
         const int mb = (int)(j->M - m0 < ROWS ? j->M - m0 : ROWS);
         const float *xb = j->x + m0 * j->K;
@@ -259,14 +278,104 @@ AVX512 static void rows_affine_avx512(const Job *j, int64_t n0, int64_t n1) {
         }
     }
 }
+
+/* ---------------------------------------------------------------- int8 (VNNI) path */
+
+/* For many rows (prompts), activations quantized to int8 per group of the weight (one float
+ * scale per row and group, as llama.cpp's Q8 activations) and the unpacked weights multiplied
+ * with vpdpbusd (u8 x s8, 64 products an instruction): about 4x the float path's arithmetic
+ * rate. The bias term still uses the exact float group sums of x. */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,fma")))
+#define VROWS 8
+
+VNNI static inline __attribute__((always_inline)) void vnni_block(
+        const Job *j, const Unpack *u, int64_t n, int64_t m0, float *out, const int MB) {
+    const int64_t K = j->K, ng = K / j->group;
+    const int g = j->group;
+    const uint8_t *wr = j->w + n * (K * j->bits / 8);
+    const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
+    const int8_t *xb = j->x8 + m0 * K;
+    const float *xsc = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng, *xc = j->xcorr + m0 * ng;
+    /* The rounding errors e of x8 have a mean the unsigned weights q (all >= 0) would amplify:
+     * sum(e * q) = sum(e * (q - mean q)) + mean(q) * sum(e). sum(e) is known exactly per group
+     * (xcorr * group), and sum(q) comes from one more vpdpbusd against ones shared by all rows,
+     * so that term is added back and only the zero-mean part of the error remains. */
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[VROWS];
+    __m512i iacc[VROWS];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    if (g >= 64) {
+        for (int64_t gi = 0; gi < ng; gi++) {
+            __m512i qs = _mm512_setzero_si512();
+            for (int m = 0; m < MB; m++) iacc[m] = _mm512_setzero_si512();
+            for (int64_t c = gi * g; c < (gi + 1) * g; c += 64) {
+                __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c >> 6) * u->chunk_bytes);
+                v = _mm512_permutexvar_epi8(u->perm, v);
+                v = _mm512_multishift_epi64_epi8(u->shift, v);
+                v = _mm512_and_si512(v, u->vmask);
+                qs = _mm512_dpbusd_epi32(qs, v, ones);
+                for (int m = 0; m < MB; m++)
+                    iacc[m] = _mm512_dpbusd_epi32(iacc[m], v, _mm512_loadu_si512(xb + m * K + c));
+            }
+            const __m512 qsf = _mm512_cvtepi32_ps(qs);
+            for (int m = 0; m < MB; m++) {
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]),
+                                         _mm512_set1_ps(sr[gi] * xsc[m * ng + gi]), acc[m]);
+                acc[m] = _mm512_fmadd_ps(qsf, _mm512_set1_ps(sr[gi] * xc[m * ng + gi]), acc[m]);
+            }
+        }
+    } else { /* g == 32: a chunk of 64 holds two groups, lanes 0-7 and 8-15 */
+        for (int64_t c = 0; c < K; c += 64) {
+            const int64_t gi = c >> 5;
+            __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c >> 6) * u->chunk_bytes);
+            v = _mm512_permutexvar_epi8(u->perm, v);
+            v = _mm512_multishift_epi64_epi8(u->shift, v);
+            v = _mm512_and_si512(v, u->vmask);
+            const __m512 qsf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, ones));
+            for (int m = 0; m < MB; m++) {
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
+                                                _mm512_loadu_si512(xb + m * K + c));
+                __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(sr[gi] * xsc[m * ng + gi]),
+                                               _mm256_set1_ps(sr[gi + 1] * xsc[m * ng + gi + 1]), 1);
+                __m512 cc = _mm512_insertf32x8(_mm512_set1_ps(sr[gi] * xc[m * ng + gi]),
+                                               _mm256_set1_ps(sr[gi + 1] * xc[m * ng + gi + 1]), 1);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[m]);
+                acc[m] = _mm512_fmadd_ps(qsf, cc, acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        float bias = 0;
+        for (int64_t gi = 0; gi < ng; gi++) bias += br[gi] * xs[m * ng + gi];
+        out[m * j->N] = _mm512_reduce_add_ps(acc[m]) + bias;
+    }
+}
+
+VNNI static void rows_affine_vnni(const Job *j, int64_t n0, int64_t n1) {
+    Unpack u;
+    make_unpack(&u, j);
+    for (int64_t m0 = 0; m0 < j->M; m0 += VROWS) {
+        const int mb = (int)(j->M - m0 < VROWS ? j->M - m0 : VROWS);
+        for (int64_t n = n0; n < n1; n++) {
+            float *out = j->out + m0 * j->N + n;
+#define CALL(MB) vnni_block(j, &u, n, m0, out, MB)
+            DISPATCH_MB(CALL)
+#undef CALL
+        }
+    }
+}
 #endif
 
 /* ---------------------------------------------------------------- dispatch */
 
-static int have_avx512 = 0;
+static int have_avx512 = 0, have_vnni = 0;
 
 static RowsFn choose(const Job *j, const char **name) {
 #ifdef MIXBIT_X86
+    if (j->x8) {
+        *name = "avx512-vnni";
+        return rows_affine_vnni;
+    }
     if (have_avx512 && j->K % 64 == 0 &&
         (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0))) {
         *name = "avx512";
@@ -275,6 +384,151 @@ static RowsFn choose(const Job *j, const char **name) {
 #endif
     *name = "portable";
     return rows_portable;
+}
+
+/* ---------------------------------------------------------------- dequantize + BLAS path */
+
+/* Rows n0..n1 of W as float32 into dst (row-major, K columns): what mx.dequantize computes, at
+ * memory speed for every width (MLX's CPU dequantize took 4 ms for a 3584x1024 4-bit weight
+ * and 50 ms at 3 or 5 bits here). Then cblas_sgemm (OpenBLAS, loaded process-wide by
+ * models/blas.py) multiplies: for prompts that is faster than any packed kernel. */
+static void deq_rows_portable(const Job *j, float *dst, int64_t n0, int64_t n1) {
+    const int64_t K = j->K;
+    if (j->bits == 16) {
+        const uint16_t *w = (const uint16_t *)j->w;
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t k = 0; k < K; k++) {
+                uint32_t u = (uint32_t)w[n * K + k] << 16;
+                memcpy(&dst[(n - n0) * K + k], &u, 4);
+            }
+        return;
+    }
+    const int64_t row_bytes = K * j->bits / 8, ng = K / j->group;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t gi = k / j->group;
+            dst[(n - n0) * K + k] = (float)extract(j->w + n * row_bytes, k, j->bits) *
+                                        j->scales[n * ng + gi] + j->biases[n * ng + gi];
+        }
+}
+
+#ifdef MIXBIT_X86
+AVX512 static void deq_rows_avx512(const Job *j, float *dst, int64_t n0, int64_t n1) {
+    const int64_t K = j->K;
+    if (j->bits == 16) {
+        const uint16_t *w = (const uint16_t *)j->w;
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t k = 0; k < K; k += 16)
+                _mm512_storeu_ps(dst + (n - n0) * K + k, bf16_to_f32(w + n * K + k));
+        return;
+    }
+    Unpack u;
+    make_unpack(&u, j);
+    const int64_t row_bytes = K * j->bits / 8, ng = K / j->group;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = j->w + n * row_bytes;
+        float *d = dst + (n - n0) * K;
+        for (int64_t c = 0; c < K; c += 64) {
+            __m512i v = _mm512_maskz_loadu_epi8(u.lmask, wr + (c >> 6) * u.chunk_bytes);
+            v = _mm512_permutexvar_epi8(u.perm, v);
+            v = _mm512_multishift_epi64_epi8(u.shift, v);
+            v = _mm512_and_si512(v, u.vmask);
+            for (int t = 0; t < 4; t++) {
+                const int64_t gi = (c + 16 * t) >> u.gshift;
+                __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                    0x1111111111111111ULL, u.widen[t], v));
+                _mm512_storeu_ps(d + c + 16 * t, _mm512_fmadd_ps(q, _mm512_set1_ps(j->scales[n * ng + gi]),
+                                                                 _mm512_set1_ps(j->biases[n * ng + gi])));
+            }
+        }
+    }
+}
+#endif
+
+static void deq_part(const Job *j, int64_t n0, int64_t n1) {
+    /* runs on the pool: rows n0..n1 of the current tile */
+    float *dst = j->deq_dst + (n0 - j->deq_row0) * j->K;
+#ifdef MIXBIT_X86
+    if (have_avx512 && j->K % 64 == 0 && (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0))) {
+        deq_rows_avx512(j, dst, n0, n1);
+        return;
+    }
+#endif
+    deq_rows_portable(j, dst, n0, n1);
+}
+
+typedef void (*SgemmFn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                        float, float *, int);
+static SgemmFn sgemm = NULL;
+
+/* ---------------------------------------------------------------- GatedDeltaNet decode step */
+
+/* One recurrent step of the gated delta rule for every (sequence, head), reading and writing
+ * each state row once (mlx-lm's step ops pass over the state four or five times):
+ *   S = g S;  u = beta (v - S k);  S = S + u k^T;  y = S q      (S: Dv x Dk per head) */
+typedef struct {
+    const float *q, *k, *v, *g, *beta, *state;
+    float *y, *state_out;
+    int64_t Dk, Dv;
+} Gdn;
+
+static void gdn_heads_portable(const Gdn *d, int64_t h0, int64_t h1) {
+    const int64_t Dk = d->Dk, Dv = d->Dv;
+    for (int64_t h = h0; h < h1; h++) {
+        const float *q = d->q + h * Dk, *k = d->k + h * Dk, *v = d->v + h * Dv;
+        const float g = d->g[h], beta = d->beta[h];
+        for (int64_t r = 0; r < Dv; r++) {
+            const float *s = d->state + (h * Dv + r) * Dk;
+            float *o = d->state_out + (h * Dv + r) * Dk;
+            float kv = 0;
+            for (int64_t i = 0; i < Dk; i++) kv += s[i] * g * k[i];
+            const float u = (v[r] - kv) * beta;
+            float y = 0;
+            for (int64_t i = 0; i < Dk; i++) {
+                o[i] = s[i] * g + k[i] * u;
+                y += o[i] * q[i];
+            }
+            d->y[h * Dv + r] = y;
+        }
+    }
+}
+
+#ifdef MIXBIT_X86
+AVX512 static void gdn_heads_avx512(const Gdn *d, int64_t h0, int64_t h1) {
+    const int64_t Dk = d->Dk, Dv = d->Dv;
+    for (int64_t h = h0; h < h1; h++) {
+        const float *q = d->q + h * Dk, *k = d->k + h * Dk, *v = d->v + h * Dv;
+        const __m512 g = _mm512_set1_ps(d->g[h]);
+        const float beta = d->beta[h];
+        for (int64_t r = 0; r < Dv; r++) {
+            const float *s = d->state + (h * Dv + r) * Dk;
+            float *o = d->state_out + (h * Dv + r) * Dk;
+            __m512 kv = _mm512_setzero_ps();
+            for (int64_t i = 0; i < Dk; i += 16)
+                kv = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), g), _mm512_loadu_ps(k + i), kv);
+            const __m512 u = _mm512_set1_ps((v[r] - _mm512_reduce_add_ps(kv)) * beta);
+            __m512 y = _mm512_setzero_ps();
+            for (int64_t i = 0; i < Dk; i += 16) {
+                __m512 n = _mm512_fmadd_ps(_mm512_loadu_ps(k + i), u,
+                                           _mm512_mul_ps(_mm512_loadu_ps(s + i), g));
+                _mm512_storeu_ps(o + i, n);
+                y = _mm512_fmadd_ps(n, _mm512_loadu_ps(q + i), y);
+            }
+            d->y[h * Dv + r] = _mm512_reduce_add_ps(y);
+        }
+    }
+}
+#endif
+
+static void gdn_part(const Job *j, int64_t h0, int64_t h1) {
+    const Gdn *d = j->ctx;
+#ifdef MIXBIT_X86
+    if (have_avx512 && d->Dk % 16 == 0) {
+        gdn_heads_avx512(d, h0, h1);
+        return;
+    }
+#endif
+    gdn_heads_portable(d, h0, h1);
 }
 
 /* ---------------------------------------------------------------- thread pool */
@@ -299,14 +553,15 @@ static double now_us(void) {
     return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
+static int64_t cur_lo, cur_hi;
+
 static void work(void) {
     /* output rows in blocks, taken in turn: a thread that started late takes fewer */
-    const int64_t N = cur_job->N;
     for (;;) {
         int64_t b = atomic_fetch_add(&next_block, 1);
-        int64_t n0 = b * cur_block;
-        if (n0 >= N) break;
-        int64_t n1 = n0 + cur_block < N ? n0 + cur_block : N;
+        int64_t n0 = cur_lo + b * cur_block;
+        if (n0 >= cur_hi) break;
+        int64_t n1 = n0 + cur_block < cur_hi ? n0 + cur_block : cur_hi;
         cur_fn(cur_job, n0, n1);
     }
 }
@@ -348,17 +603,19 @@ static void start_pool(int threads) {
     pool_started = 1;
 }
 
-static void run(const Job *j, RowsFn fn) {
-    const int64_t N = j->N;
+static void run_range(const Job *j, RowsFn fn, int64_t lo, int64_t hi) {
+    const int64_t N = hi - lo;
     /* small products (a few thousand rows of work) are not worth waking anyone */
     int64_t work_units = N * j->K * (j->M < ROWS ? j->M : ROWS);
     if (n_threads <= 1 || work_units < (1 << 18)) {
-        fn(j, 0, N);
+        fn(j, lo, hi);
         return;
     }
     pthread_mutex_lock(&run_mu);
     cur_job = j;
     cur_fn = fn;
+    cur_lo = lo;
+    cur_hi = hi;
     int64_t block = N / (n_threads * 8);
     cur_block = block < 16 ? 16 : block;
     atomic_store(&next_block, 0);
@@ -375,6 +632,8 @@ static void run(const Job *j, RowsFn fn) {
     }
     pthread_mutex_unlock(&run_mu);
 }
+
+static void run(const Job *j, RowsFn fn) { run_range(j, fn, 0, j->N); }
 
 /* ---------------------------------------------------------------- Python */
 
@@ -397,9 +656,18 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ox, *ow, *os, *ob, *oo;
     long long M, N, K;
-    int bits, group;
-    if (!PyArg_ParseTuple(args, "OOOOOLLLii", &ox, &ow, &os, &ob, &oo, &M, &N, &K, &bits, &group))
+    int bits, group, mode = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOLLLii|i", &ox, &ow, &os, &ob, &oo, &M, &N, &K, &bits, &group,
+                          &mode))
         return NULL;
+    if (mode < 0 || mode > 2)
+        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int8) or 2 (BLAS), not %d", mode);
+    if (mode == 2 && !sgemm) {
+        sgemm = (SgemmFn)dlsym(RTLD_DEFAULT, "cblas_sgemm");
+        if (!sgemm)
+            return PyErr_Format(PyExc_RuntimeError, "no cblas_sgemm loaded in this process");
+    }
+    const int int8 = mode == 1;
     if (M < 1 || N < 1 || K < 1)
         return PyErr_Format(PyExc_ValueError, "bad shape M=%lld N=%lld K=%lld", M, N, K);
     int affine = bits != 16;
@@ -422,27 +690,76 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                      "(x %zd, w %zd, out %zd bytes)", M, N, K, bits, group, bx.len, bw.len, bo.len);
         goto fail_o;
     }
-    float *xsum = NULL;
-    if (affine) {
+    float *xsum = NULL, *xscale = NULL, *xcorr = NULL;
+    int8_t *x8 = NULL;
+    int use_int8 = int8 && affine && have_vnni && K % 64 == 0 && group >= 32 &&
+                   (group & (group - 1)) == 0;
+    if (affine && mode != 2) {
         const int64_t ng = K / group;
         xsum = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
-        if (!xsum) { PyErr_NoMemory(); goto fail_o; }
+        if (use_int8) {
+            xscale = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
+            xcorr = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
+            x8 = PyMem_RawMalloc((size_t)(M * K));
+        }
+        if (!xsum || (use_int8 && (!xscale || !xcorr || !x8))) {
+            PyMem_RawFree(xsum); PyMem_RawFree(xscale); PyMem_RawFree(xcorr); PyMem_RawFree(x8);
+            PyErr_NoMemory();
+            goto fail_o;
+        }
         const float *x = bx.buf;
         for (int64_t m = 0; m < M; m++)
             for (int64_t gi = 0; gi < ng; gi++) {
-                float s = 0;
-                for (int k = 0; k < group; k++) s += x[m * K + gi * group + k];
+                const float *xg = x + m * K + gi * group;
+                float s = 0, amax = 0;
+                for (int k = 0; k < group; k++) {
+                    s += xg[k];
+                    float a = xg[k] < 0 ? -xg[k] : xg[k];
+                    amax = a > amax ? a : amax;
+                }
                 xsum[m * ng + gi] = s;
+                if (use_int8) {
+                    const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+                    xscale[m * ng + gi] = d;
+                    int8_t *q = x8 + m * K + gi * group;
+                    int64_t qsum = 0;
+                    for (int k = 0; k < group; k++) {
+                        q[k] = (int8_t)lrintf(xg[k] * inv);
+                        qsum += q[k];
+                    }
+                    xcorr[m * ng + gi] = (s - d * (float)qsum) / (float)group;
+                }
             }
     }
-    Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum,
-             M, N, K, bits, group};
-    const char *name;
-    RowsFn fn = choose(&j, &name);
-    Py_BEGIN_ALLOW_THREADS
-    run(&j, fn);
-    Py_END_ALLOW_THREADS
+    Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum, x8,
+             xscale, xcorr, NULL, 0, NULL, M, N, K, bits, group};
+    if (mode == 2) {
+        /* dequantize tiles of at most 64 MB on the pool, multiply each with BLAS */
+        int64_t tile = (64 << 20) / (4 * K);
+        tile = tile < 8 ? 8 : (tile > N ? N : tile);
+        j.deq_dst = PyMem_RawMalloc((size_t)(tile * K) * sizeof(float));
+        if (!j.deq_dst) { PyErr_NoMemory(); goto fail_o; }
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t n0 = 0; n0 < N; n0 += tile) {
+            const int64_t nt = N - n0 < tile ? N - n0 : tile;
+            j.deq_row0 = n0;
+            run_range(&j, deq_part, n0, n0 + nt);
+            sgemm(101, 111, 112, (int)M, (int)nt, (int)K, 1.0f, bx.buf, (int)K, j.deq_dst, (int)K,
+                  0.0f, (float *)bo.buf + n0, (int)N);
+        }
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(j.deq_dst);
+    } else {
+        const char *name;
+        RowsFn fn = choose(&j, &name);
+        Py_BEGIN_ALLOW_THREADS
+        run(&j, fn);
+        Py_END_ALLOW_THREADS
+    }
     PyMem_RawFree(xsum);
+    PyMem_RawFree(xscale);
+    PyMem_RawFree(xcorr);
+    PyMem_RawFree(x8);
     PyBuffer_Release(&bo);
     if (affine) { PyBuffer_Release(&bb); PyBuffer_Release(&bs); }
     PyBuffer_Release(&bw);
@@ -461,10 +778,53 @@ fail_x:
     return NULL;
 }
 
+
+static PyObject *py_gated_delta_step(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oq, *ok, *ov, *og, *obeta, *os, *oy, *oso;
+    long long BH, Dk, Dv;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOLLL", &oq, &ok, &ov, &og, &obeta, &os, &oy, &oso, &BH, &Dk, &Dv))
+        return NULL;
+    if (BH < 1 || Dk < 1 || Dv < 1)
+        return PyErr_Format(PyExc_ValueError, "bad shape BH=%lld Dk=%lld Dv=%lld", BH, Dk, Dv);
+    PyObject *objs[8] = {oq, ok, ov, og, obeta, os, oy, oso};
+    const Py_ssize_t sizes[8] = {BH * Dk, BH * Dk, BH * Dv, BH, BH, BH * Dv * Dk, BH * Dv, BH * Dv * Dk};
+    const char *names[8] = {"q", "k", "v", "g", "beta", "state", "y", "state_out"};
+    Py_buffer bufs[8];
+    int got = 0;
+    for (; got < 8; got++) {
+        if (get_buf(objs[got], &bufs[got], got >= 6, names[got])) goto done;
+        if (bufs[got].len != sizes[got] * 4) {
+            PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", names[got], bufs[got].len,
+                         sizes[got] * 4);
+            got++;
+            goto done;
+        }
+    }
+    {
+        Gdn d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf,
+                 bufs[6].buf, bufs[7].buf, Dk, Dv};
+        Job j;
+        memset(&j, 0, sizeof j);
+        j.ctx = &d;
+        j.M = 1;
+        j.N = BH;
+        j.K = Dk * Dv;
+        Py_BEGIN_ALLOW_THREADS
+        run(&j, gdn_part);
+        Py_END_ALLOW_THREADS
+    }
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_info(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
-    return Py_BuildValue("{s:s,s:i,s:i}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
-                         "threads", n_threads, "rows_per_pass", ROWS);
+    return Py_BuildValue("{s:s,s:i,s:i,s:O}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
+                         "threads", n_threads, "rows_per_pass", ROWS, "int8",
+                         have_vnni ? Py_True : Py_False);
 }
 
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {
@@ -487,14 +847,20 @@ static PyObject *py_force_portable(PyObject *self, PyObject *args) {
 #ifdef MIXBIT_X86
     have_avx512 = on ? 0 : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl"));
+    have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
 #endif
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS,
-     "matmul(x, w, scales, biases, out, M, N, K, bits, group): out[M,N] = x[M,K] @ W^T for MLX "
-     "packed W (bits 2-8, affine, float32 scales/biases) or bfloat16 W (bits 16)."},
+     "matmul(x, w, scales, biases, out, M, N, K, bits, group, mode=0): out[M,N] = x[M,K] @ W^T "
+     "for MLX packed W (bits 2-8, affine, float32 scales/biases) or bfloat16 W (bits 16). mode 0: "
+     "float32 FMAs on the packed weights; 1: activations quantized to int8 per group (VNNI, where "
+     "the CPU has it); 2: W dequantized in tiles and multiplied by cblas_sgemm."},
+    {"gated_delta_step", py_gated_delta_step, METH_VARARGS,
+     "gated_delta_step(q, k, v, g, beta, state, y, state_out, BH, Dk, Dv): one decode step of the "
+     "gated delta rule for BH (sequence, head) pairs, float32 buffers."},
     {"info", py_info, METH_NOARGS, "the instruction set path and thread count in use"},
     {"set_threads", py_set_threads, METH_VARARGS, "start the pool with this many threads (once)"},
     {"force_portable", py_force_portable, METH_VARARGS, "use (or stop using) the portable path"},
@@ -508,6 +874,7 @@ PyMODINIT_FUNC PyInit__qkernel(void) {
     __builtin_cpu_init();
     have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
+    have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
 #endif
     const char *spin = getenv("MIXBIT_KERNEL_SPIN_US");
     if (spin) spin_us = atoi(spin);
