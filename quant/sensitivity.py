@@ -171,7 +171,14 @@ def fisher_estimate(model: nn.Module, calib: CalibrationSet, bits: tuple[int, ..
     sample), so the cost is a few backward passes instead of a forward pass per (tensor,
     format). Each (tensor, format) then costs one fake-quantization: sum(F * (W - Q(W))^2) / 2.
     """
+    from mixbit.models import kernels
+
     modules = quantizable(model)
+    on_kernels = [p for p, m in modules.items() if kernels.served(m)]
+    if on_kernels:
+        raise ValueError(f"fisher_estimate needs gradients, and {on_kernels[0]} (with "
+                         f"{len(on_kernels) - 1} more) runs on mixbit's CPU kernels, which are "
+                         "forward-only: load the model with cpu_quantized='dense'")
     key = mx.random.key(seed)
     fisher = {p: mx.zeros(m.weight.shape, dtype=mx.float32) for p, m in modules.items()}
     started = time.time()

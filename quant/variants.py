@@ -364,7 +364,7 @@ def _fisher(stream, cal, prog: Progress):
                           f"{params / 1e6:.0f}M parameters; {avail / 1e9:.1f} GB are free. Use "
                           "auto or probe (streamed, forward-only)")
     prog.stage("sensitivity", cal.rows.shape[0], "fisher")
-    lm = load(resolve(str(stream.folder)), "auto")
+    lm = load(resolve(str(stream.folder)), "auto", cpu_quantized="dense")  # plain MLX layers: gradients
     return fisher_estimate(lm.model, cal, progress=lambda k, n, _: prog.step(k, n))
 
 

@@ -420,3 +420,9 @@ try:
     _PackedLinear, _PackedEmbedding, _Bf16Linear, _Bf16Embedding = _classes()
 except ImportError:  # mlx missing: nothing to install into
     _PackedLinear = _PackedEmbedding = _Bf16Linear = _Bf16Embedding = None
+
+
+def served(module) -> bool:
+    """Whether `module` runs on these kernels (forward only: MLX cannot differentiate them)."""
+    kinds = tuple(k for k in (_PackedLinear, _PackedEmbedding, _Bf16Linear, _Bf16Embedding) if k)
+    return bool(kinds) and isinstance(module, kinds)
