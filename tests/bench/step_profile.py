@@ -134,7 +134,8 @@ def main(argv=None) -> int:
             mx.eval(x)
             t = time.perf_counter()
             out = orig_head(self, x)
-            mx.eval(out)
+            if not kernels._lazy_head(x):  # a prompt's head stays unevaluated, as in the engine
+                mx.eval(out)
             times["head"] += time.perf_counter() - t
             return out
         type(head_owner).as_linear = as_linear
@@ -178,19 +179,29 @@ def main(argv=None) -> int:
     # sampling over the full vocabulary
     from mlx_lm.sample_utils import make_sampler
 
+    from mixbit.server.sampling import SamplingParams
+    from mixbit.server.sampling import make_sampler as mixbit_sampler
+
     v = vocab or 248320
-    logits = mx.random.normal((1, v))
-    mx.eval(logits)
+    # peaked like a trained model's next-token distribution (a nucleus of tens of tokens), and
+    # flat like a random-weight model's (the nucleus is most of the vocabulary)
+    peaked = mx.random.normal((1, v)) * 4
+    flat = mx.random.normal((1, v)) * 0.5
+    peaked, flat = (x - mx.logsumexp(x, -1, keepdims=True) for x in (peaked, flat))
+    mx.eval(peaked, flat)
     samplers = {
-        "greedy (argmax)": lambda x: mx.argmax(x, -1),
-        "temperature 0.7": make_sampler(temp=0.7),
-        "top_p 0.9": make_sampler(temp=0.7, top_p=0.9),
-        "top_k 40": make_sampler(temp=0.7, top_k=40),
-        "logprobs (log-softmax)": lambda x: x - mx.logsumexp(x, -1, keepdims=True),
+        "greedy (argmax)": (lambda x: mx.argmax(x, -1), peaked),
+        "temperature 0.7": (make_sampler(temp=0.7), peaked),
+        "top_p 0.9, mlx-lm (full sort)": (make_sampler(temp=0.7, top_p=0.9), peaked),
+        "top_p 0.9, mixbit, peaked row": (mixbit_sampler(SamplingParams(temperature=0.7, top_p=0.9)), peaked),
+        "top_p 0.9, mixbit, flat row (falls back)": (mixbit_sampler(SamplingParams(temperature=0.7, top_p=0.9)),
+                                                     flat),
+        "top_k 40": (make_sampler(temp=0.7, top_k=40), peaked),
+        "logprobs (log-softmax)": (lambda x: x - mx.logsumexp(x, -1, keepdims=True), peaked),
     }
     print(f"\n### sampling over {v} tokens (one row)\n\n| sampler | ms |\n|---|---|")
-    for name, fn in samplers.items():
-        ms = _timed(lambda: mx.eval(fn(logits)), 10) * 1e3
+    for name, (fn, row) in samplers.items():
+        ms = _timed(lambda: mx.eval(fn(row)), 10) * 1e3
         print(f"| {name} | {ms:.2f} |")
     return 0
 
