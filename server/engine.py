@@ -48,6 +48,7 @@ class FinishEvent:
     error: str | None = None
     status: int = 500  # with reason "error": 500 this request failed, 503 the engine restarted
     tokens: list[int] = field(default_factory=list)  # every generated id (end-of-turn included)
+    stop_sequence: str | None = None  # with reason "stop": the stop string that ended it, if any
 
 
 @dataclass
@@ -68,6 +69,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.text = ""
         self.released = 0
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, piece: str) -> tuple[str, bool]:
         self.text += piece
@@ -76,9 +78,9 @@ class StopMatcher:
             return out, False
         longest = max(len(s) for s in self.stops)
         start = max(0, self.released - longest)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i != -1]
         if hits:
-            cut = min(hits)
+            cut, self.matched = min(hits)
             out = self.text[self.released:cut]
             self.released = len(self.text)
             return out, True
@@ -117,6 +119,47 @@ class _Sequence:
     grammar: str | None = None  # grammar text, so followers build the same constraint
     failure: str | None = None  # set when this sequence's own sampler or processor raised
     done: bool = False  # its FinishEvent was sent
+    checkpoints: dict = field(default_factory=dict)  # prompt position -> cache type kept there
+
+
+class _ChatMarks:
+    """Where a chat prompt's cache is worth keeping besides its end. GatedDeltaNet layers carry a
+    recurrent state that cannot be rewound, so a later prompt reuses only a state stored at a
+    point it shares; the points a conversation's later turns share are:
+    - the end of the system block (system prompt and tools: Claude Code's is thousands of tokens,
+      and every sub-agent and new conversation starts with it);
+    - the start of the thinking tail of the generation prompt (`<think>` ... after
+      `<|im_start|>assistant\n`): Qwen3.5's template drops the thinking of earlier turns once a
+      new user message follows, so the next turn's prompt diverges there, not at its end.
+    mlx_lm.server splits its prompts at the same two points; here they are found in the token
+    ids, so every rank of a distributed engine finds the same ones."""
+
+    def __init__(self, tokenizer):
+        vocab = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+
+        def one(text: str) -> int | None:
+            ids = vocab.encode(text, add_special_tokens=False)
+            return ids[0] if len(ids) == 1 else None
+
+        self.start = one("<|im_start|>")
+        self.think = one("<think>")
+        self.system = vocab.encode("<|im_start|>system", add_special_tokens=False) \
+            if self.start is not None else []
+
+    def checkpoints(self, prompt: list[int]) -> list[tuple[int, str]]:
+        """(position, cache type): "system" states are evicted last (mlx-lm's LRUPromptCache)."""
+        cuts: list[tuple[int, str]] = []
+        n = len(self.system)
+        if n and prompt[:n] == self.system:
+            nxt = next((i for i in range(n, len(prompt)) if prompt[i] == self.start), None)
+            if nxt is not None:
+                cuts.append((nxt, "system"))
+        if self.think is not None:
+            tail = max(0, len(prompt) - 12)
+            at = next((i for i in range(len(prompt) - 1, tail - 1, -1) if prompt[i] == self.think), None)
+            if at is not None and (not cuts or at > cuts[-1][0]):
+                cuts.append((at, "user"))
+        return [(c, kind) for c, kind in cuts if 0 < c < len(prompt) - 1]
 
 
 def _guarded(seq: _Sequence, fn, fallback):
@@ -163,6 +206,7 @@ class Engine:
         self.error: BaseException | None = None
         self.restarts = 0  # times the decode loop or its thread was started again after a failure
         self._taken: list[_Sequence] = []  # admissions being applied by the loop right now
+        self._marks = _ChatMarks(tokenizer)
 
     # ------------------------------------------------------------------ public, any thread
     def _new_thread(self) -> threading.Thread:
@@ -378,8 +422,12 @@ class Engine:
         sampler = make_sampler(seq.params, seq.draw_index)
         if sampler is not greedy:  # one shared greedy sampler keeps greedy batches in one call
             sampler = _guarded(seq, sampler, greedy)
-        (seq.uid,) = gen.insert(
-            [rest], max_tokens=[seq.params.max_tokens], caches=[cache],
+        marks = [(c, kind) for c, kind in self._marks.checkpoints(seq.prompt) if c > seq.cached]
+        seq.checkpoints = dict(marks)
+        cuts = [c - seq.cached for c, _ in marks]
+        (seq.uid,) = gen.insert_segments(
+            [[rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])]],
+            max_tokens=[seq.params.max_tokens], caches=[cache],
             all_tokens=[seq.prompt[:seq.cached]], samplers=[sampler],
             logits_processors=[processors])
         seq.detok = self.tokenizer.detokenizer
@@ -392,11 +440,14 @@ class Engine:
     def _step(self, gen: BatchGenerator) -> None:
         with prompt_logits_unused():  # the kernels leave prompt logits lazy (never computed)
             prompt_responses, responses = gen.next()
-        # keep the prompt's cache (without its last token) so a resend of the same prefix is free
+        # keep the prompt's cache at each checkpoint and without its last token, so a resend of
+        # the same prefix (a conversation's next turn, another one with the same system prompt)
+        # is free
         ends = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
                 and r.uid in self._active]
         for uid, (cache, tokens) in gen.extract_cache(ends).items():
-            self.prompt_cache.insert_cache(self.model_key, list(tokens), cache, cache_type="user")
+            kind = self._active[uid].checkpoints.get(len(tokens), "user")
+            self.prompt_cache.insert_cache(self.model_key, list(tokens), cache, cache_type=kind)
         self.stats.last_batch_size = len(responses)
         now = time.monotonic()
         failed = [seq for seq in self._active.values() if seq.failure is not None]
@@ -464,7 +515,8 @@ class Engine:
         self.stats.running = len(self._active)
         seq.emit(FinishEvent(reason=reason, prompt_tokens=len(seq.prompt),
                              completion_tokens=seq.generated, cached_tokens=seq.cached,
-                             text=tail, error=error, status=status, tokens=list(seq.tokens)))
+                             text=tail, error=error, status=status, tokens=list(seq.tokens),
+                             stop_sequence=seq.stops.matched if seq.stops else None))
 
 
 def async_emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[Any], None]:

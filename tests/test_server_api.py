@@ -82,6 +82,23 @@ def test_stream_matches_non_stream(client):
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: prefix reused
 
 
+def test_next_turn_reuses_the_conversation_so_far(client):
+    """Qwen3.5's template renders an answered turn without its (empty) thinking block, so the
+    next turn's prompt departs from the last one inside it: the engine keeps the state from
+    before the thinking tail, and the next turn prefills only what is new."""
+    system = {"role": "system", "content": "You are a helpful assistant. " * 30}
+    first = [system, *ask("What day comes after Monday?")]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, temperature=0, max_tokens=20)
+    second = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+              *ask("And after Tuesday?")]
+    r2 = client.chat.completions.create(model=MODEL, messages=second, temperature=0, max_tokens=20)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 12
+    # another conversation with the same system prompt starts from its stored state
+    r3 = client.chat.completions.create(model=MODEL, messages=[system, *ask("Name a colour.")],
+                                        temperature=0, max_tokens=5)
+    assert r3.usage.prompt_tokens_details.cached_tokens >= r3.usage.prompt_tokens - 25
+
+
 def test_tool_call_stream_and_non_stream_agree(client):
     kwargs = dict(model=MODEL, messages=ask("What's the weather in Oslo?"), tools=TOOLS, temperature=0,
                   max_tokens=60)
