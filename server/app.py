@@ -23,16 +23,17 @@ from mixbit.models.registry import ModelSourceError, resolve
 from mixbit.quant.progress import Progress
 from mixbit.quant.variants import ensure_variant
 
-from . import errors
+from . import anthropic, errors
 from .engine import Engine
 from .errors import APIError
 from .fidelity import FidelityWorker, LocalReference, RemoteReference, score_top
 from .metrics import Metrics
 from .middleware import CatchAll, CheckBody, CountRequests
-from .planning import chat_plan, completion_plans, reject_unsupported
+from .planning import chat_plan, completion_plans, reject_unsupported, render_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ScoreRequest
 from .responses import ResponseBuilder, ResponsesRequest, chat_body, responses_param, usage_of
-from .serving import account, collect, release, run_plan, start_choices, stream_response
+from .serving import (account, collect, release, run_plan, start_choices, stream_message,
+                      stream_response)
 from .settings import Settings
 from .state import ServerState
 
@@ -255,12 +256,15 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not supplied:  # Anthropic's clients send the key as x-api-key
+            supplied = request.headers.get("x-api-key", "").strip().encode()
         # compare against every key, in constant time, so timing says nothing about them
         ok = False
         for k in keys:
             ok |= hmac.compare_digest(supplied, k)
         if not ok:
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                           "(or 'x-api-key: <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return True
 
@@ -408,6 +412,54 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
                                 else "completed", usage_of(choice.finish),
                                 "max_output_tokens" if choice.finish and choice.finish.reason == "length"
                                 else None)
+
+    def messages_plan(req: anthropic.CountTokensRequest, fit: bool = True):
+        """A Messages request planned as the chat request it maps onto."""
+        st = ready_state()
+        check_model(req.model)
+        think_end = tuple(st.lm.tokenizer.encode("</think>", add_special_tokens=False))
+        body, budget = anthropic.chat_body(req, think_end)
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise APIError(400, f"{errors.param_of(first['loc'])}: "
+                           f"{first['msg'].removeprefix('Value error, ')}") from None
+        try:
+            if not fit:
+                return st, chat, None
+            plan = chat_plan(st, chat, fit_max_tokens=True)
+        except APIError as exc:
+            if exc.code == "context_length_exceeded":  # the words Claude Code looks for
+                exc.message = f"prompt is too long: {exc.message}"
+            raise
+        plan.endpoint = "/v1/messages"
+        if budget:
+            plan.params.think_budget, plan.params.think_end = budget, think_end
+        return st, chat, plan
+
+    @app.post("/v1/messages", dependencies=[Depends(auth)])
+    async def messages(req: anthropic.MessagesRequest, request: Request):
+        st, _, plan = messages_plan(req)
+        (choice,) = start_choices(st, plan, 1)
+        builder = anthropic.MessageBuilder(st.served_id, len(plan.prompt_ids), plan.parallel)
+        if req.stream:
+            return EventSourceResponse(stream_message(st, request, plan, choice, builder),
+                                       ping=15, send_timeout=30)
+        try:
+            await collect(request, st, [choice])
+        finally:
+            release(st, [choice])
+        builder.feed(choice.feed(choice.text, final=True))
+        builder.finish(choice.finish)
+        account(st, plan, [choice], builder.id)
+        return builder.final
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(auth)])
+    async def count_tokens(req: anthropic.CountTokensRequest):
+        st, chat, _ = messages_plan(req, fit=False)
+        _, ids, _ = render_prompt(st, chat)
+        return {"input_tokens": len(ids)}
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(req: CompletionRequest, request: Request):

@@ -81,7 +81,7 @@ class CheckBody:
                            code="request_too_large")
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await too_big.response()(scope, receive, send)
+            return await too_big.response(scope.get("path"))(scope, receive, send)
         chunks, seen, more = [], 0, True
         while more:
             message = await receive()
@@ -90,13 +90,13 @@ class CheckBody:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.limit:
-                return await too_big.response()(scope, receive, send)
+                return await too_big.response(scope.get("path"))(scope, receive, send)
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
         err = self._check_json(body)
         if err is not None:
-            return await err.response()(scope, receive, send)
+            return await err.response(scope.get("path"))(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -172,4 +172,4 @@ class CatchAll:
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 err = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
-                await err.response()(scope, receive, send)
+                await err.response(scope.get("path"))(scope, receive, send)

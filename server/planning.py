@@ -116,7 +116,8 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
+def render_prompt(st: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int], list[dict] | None]:
+    """The chat template's text for a request, its token ids, and the tools it rendered."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     if tools is None and choice not in (None, "none", "auto"):
@@ -132,8 +133,17 @@ def chat_plan(st: ServerState, req: ChatCompletionRequest) -> Plan:
     except Exception as exc:  # jinja raise_exception and friends
         raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages",
                        code="invalid_messages") from None
-    ids = st.lm.tokenizer.encode(text, add_special_tokens=False)
+    return text, st.lm.tokenizer.encode(text, add_special_tokens=False), render_tools
+
+
+def chat_plan(st: ServerState, req: ChatCompletionRequest, fit_max_tokens: bool = False) -> Plan:
+    """`fit_max_tokens`: a max_tokens past the context is a cap, lowered to what fits (Anthropic's
+    clients send their own model's output limit), not an error."""
+    choice = req.tool_choice
+    text, ids, render_tools = render_prompt(st, req)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    if fit_max_tokens and max_tokens is not None:
+        max_tokens = max(1, min(max_tokens, st.context_length - len(ids)))
     params = _sampling(st, req, max_tokens, len(ids), req.top_logprobs or 0,
                        max_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     opened_think = prompt_opens_think(text)

@@ -318,16 +318,22 @@ def _completion_response(st: ServerState, plan: Plan, choices: list[_Choice], ri
     return Completion(id=rid, model=st.served_id, choices=out, usage=_usage(choices))
 
 
-async def _merged_events(request: Request, choices: list[_Choice]):
-    """Events of all choices as they come: (choice, event); stops when all finished."""
+async def _merged_events(request: Request, choices: list[_Choice], heartbeat: float | None = None):
+    """Events of all choices as they come: (choice, event); stops when all finished. With a
+    `heartbeat`, (None, None) after each `heartbeat` seconds without an event (a long prefill)."""
     pending = {asyncio.ensure_future(c.queue.get()): c for c in choices}
+    quiet_since = time.monotonic()
     try:
         while pending:
             done, _ = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 if await request.is_disconnected():
                     return
+                if heartbeat is not None and time.monotonic() - quiet_since >= heartbeat:
+                    quiet_since = time.monotonic()
+                    yield None, None
                 continue
+            quiet_since = time.monotonic()
             for fut in done:
                 c = pending.pop(fut)
                 ev = fut.result()
@@ -395,6 +401,36 @@ async def stream_response(st, request, plan, choice, builder, conversation):
                 yield {"event": event["type"], "data": json.dumps(event)}
         if builder.req.store and choice.finish is not None:
             st.responses.put(builder.id, conversation + builder.messages())
+    finally:
+        release(st, [choice])
+        account(st, plan, [choice], builder.id)
+
+
+PING_EVERY_S = 5.0  # Anthropic's `ping` while nothing else is sent (a long prompt prefilling)
+
+
+def _sse(event: dict) -> dict:
+    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
+
+
+async def stream_message(st, request, plan, choice, builder):
+    """A Messages API stream: message_start, ping, content blocks, message_delta, message_stop."""
+    try:
+        for event in builder.start():
+            yield _sse(event)
+        async for c, ev in _merged_events(request, [choice], heartbeat=PING_EVERY_S):
+            if ev is None:
+                yield _sse({"type": "ping"})
+                continue
+            if isinstance(ev, FinishEvent) and ev.reason == "error":
+                yield _sse(generation_error(ev).anthropic_body())
+                return
+            final = isinstance(ev, FinishEvent)
+            out = builder.feed(c.feed(ev.text, final=final))
+            if final:
+                out += builder.finish(ev)
+            for event in out:
+                yield _sse(event)
     finally:
         release(st, [choice])
         account(st, plan, [choice], builder.id)

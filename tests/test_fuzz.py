@@ -37,6 +37,7 @@ CHAT_OK = {"model": MODEL, "messages": ask("Hi"), "max_tokens": 2, "temperature"
 CMPL_OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
 RESP_OK = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "temperature": 0}
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+MSGS, COUNT = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's shapes
 BASES = {CHAT: CHAT_OK, CMPL: CMPL_OK, RESP: RESP_OK}
 ENDPOINT_TAG = {CHAT: "chat", CMPL: "cmpl", RESP: "resp"}
 DROP = object()
@@ -457,6 +458,9 @@ def tame(case) -> None:
     elif path == RESP:
         for key in set(body) - RESPONSES_FIELDS:
             del body[key]
+    elif path in (MSGS, COUNT):
+        body["messages"] = ask("Hi")
+        body.pop("thinking", None)
     elif path == CMPL and isinstance(body.get("prompt"), list):
         body["prompt"] = in_vocab(body["prompt"]) or "Hi"
     elif path == "/v1/score" and isinstance(body.get("tokens"), list) and len(body["tokens"]) >= 2:
@@ -480,10 +484,10 @@ def in_vocab(value):
 OPERATIONS = [("GET", "/health"), ("GET", "/ready"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("POST", "/v1/chat/completions"), ("GET", "/metrics"),
               ("GET", "/v1/fidelity"), ("POST", "/v1/score"), ("POST", "/v1/responses"),
-              ("POST", "/v1/completions")]
+              ("POST", "/v1/completions"), ("POST", MSGS), ("POST", COUNT)]
 # negative (schema-violating) data needs something to violate: a body or a query parameter
 NEGATIVE = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
-            ("POST", "/v1/score"), ("GET", "/v1/fidelity")}
+            ("POST", "/v1/score"), ("GET", "/v1/fidelity"), ("POST", MSGS), ("POST", COUNT)}
 RUNS = [(m, p, "positive") for m, p in OPERATIONS] + [(m, p, "negative") for m, p in OPERATIONS
                                                       if (m, p) in NEGATIVE]
 EXAMPLES = {"positive": 40, "negative": 40}
@@ -511,7 +515,11 @@ def test_schemathesis_no_server_errors(fuzz_live, api_schema, method, path, mode
         response = case.call(base_url=base_url, timeout=60)
         # every 5xx fails, 503 included: the server is ready, nothing here is overload or shutdown
         case.validate_response(response, checks=[not_a_server_error])
-        if 400 <= response.status_code < 500 and path.startswith("/v1/"):
+        if 400 <= response.status_code < 500 and path.startswith("/v1/messages"):
+            body = response.json()  # Anthropic's error shape
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and \
+                body["error"]["message"], response.text[:800]
+        elif 400 <= response.status_code < 500 and path.startswith("/v1/"):
             err = response.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], response.text[:800]
 
