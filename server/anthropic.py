@@ -51,23 +51,32 @@ def _bad(message: str) -> APIError:
     return APIError(400, message, code="invalid_request_error")
 
 
-def _text_blocks(content, where: str, allowed=("text",)) -> str:
+def _blocks(content: list, where: str):
+    """(path, type, block) for each block of a content list; not a list is a clear 400."""
+    if not isinstance(content, list):
+        raise _bad(f"{where}: must be a string or a list of content blocks")
+    for j, block in enumerate(content):
+        yield f"{where}[{j}]", block.get("type") if isinstance(block, dict) else None, block
+
+
+def _text_of(block: dict, here: str) -> str:
+    text = block.get("text", "")
+    if not isinstance(text, str):
+        raise _bad(f"{here}.text: must be a string")
+    return text
+
+
+def _text_blocks(content, where: str) -> str:
     """The text of a string or a list of text blocks; anything else is a clear 400."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise _bad(f"{where}: must be a string or a list of content blocks")
     parts = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind not in allowed:
-            raise _bad(_unsupported(kind, f"{where}[{j}]"))
-        text = block.get("text", "")
-        if not isinstance(text, str):
-            raise _bad(f"{where}[{j}].text: must be a string")
-        parts.append(text)
+    for here, kind, block in _blocks(content, where):
+        if kind != "text":
+            raise _bad(_unsupported(kind, here))
+        parts.append(_text_of(block, here))
     return "".join(parts)
 
 
@@ -81,15 +90,11 @@ def _user_messages(content, where: str) -> list[dict]:
     """A user turn: its tool_result blocks become tool messages, its text a user message."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise _bad(f"{where}.content: must be a string or a list of content blocks")
     out: list[dict] = []
     text: list[str] = []
-    for j, block in enumerate(content):
-        here = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for here, kind, block in _blocks(content, f"{where}.content"):
         if kind == "text":
-            text.append(_text_blocks([block], f"{where}.content"))
+            text.append(_text_of(block, here))
         elif kind == "tool_result":
             if text:
                 out.append({"role": "user", "content": "".join(text)})
@@ -111,14 +116,10 @@ def _user_messages(content, where: str) -> list[dict]:
 def _assistant_message(content, where: str) -> dict:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    if not isinstance(content, list):
-        raise _bad(f"{where}.content: must be a string or a list of content blocks")
     text, thinking, calls = [], [], []
-    for j, block in enumerate(content):
-        here = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for here, kind, block in _blocks(content, f"{where}.content"):
         if kind == "text":
-            text.append(_text_blocks([block], f"{where}.content"))
+            text.append(_text_of(block, here))
         elif kind == "thinking":
             thinking.append(str(block.get("thinking", "")))
         elif kind == "redacted_thinking":

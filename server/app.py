@@ -413,21 +413,21 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
                                 "max_output_tokens" if choice.finish and choice.finish.reason == "length"
                                 else None)
 
-    def messages_plan(req: anthropic.CountTokensRequest, fit: bool = True):
-        """A Messages request planned as the chat request it maps onto."""
+    def messages_chat(req: anthropic.CountTokensRequest):
+        """A Messages request as the chat request it maps onto, with its thinking budget."""
         st = ready_state()
         check_model(req.model)
         think_end = tuple(st.lm.tokenizer.encode("</think>", add_special_tokens=False))
         body, budget = anthropic.chat_body(req, think_end)
         try:
-            chat = ChatCompletionRequest.model_validate(body)
+            return st, ChatCompletionRequest.model_validate(body), budget, think_end
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise APIError(400, f"{errors.param_of(first['loc'])}: "
-                           f"{first['msg'].removeprefix('Value error, ')}") from None
+            raise errors.validation_error(exc) from None
+
+    @app.post("/v1/messages", dependencies=[Depends(auth)])
+    async def messages(req: anthropic.MessagesRequest, request: Request):
+        st, chat, budget, think_end = messages_chat(req)
         try:
-            if not fit:
-                return st, chat, None
             plan = chat_plan(st, chat, fit_max_tokens=True)
         except APIError as exc:
             if exc.code == "context_length_exceeded":  # the words Claude Code looks for
@@ -436,11 +436,6 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
         plan.endpoint = "/v1/messages"
         if budget:
             plan.params.think_budget, plan.params.think_end = budget, think_end
-        return st, chat, plan
-
-    @app.post("/v1/messages", dependencies=[Depends(auth)])
-    async def messages(req: anthropic.MessagesRequest, request: Request):
-        st, _, plan = messages_plan(req)
         (choice,) = start_choices(st, plan, 1)
         builder = anthropic.MessageBuilder(st.served_id, len(plan.prompt_ids), plan.parallel)
         if req.stream:
@@ -457,7 +452,7 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(auth)])
     async def count_tokens(req: anthropic.CountTokensRequest):
-        st, chat, _ = messages_plan(req, fit=False)
+        st, chat, _, _ = messages_chat(req)
         _, ids, _ = render_prompt(st, chat)
         return {"input_tokens": len(ids)}
 

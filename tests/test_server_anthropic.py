@@ -173,6 +173,8 @@ def test_errors_have_anthropics_shape(server, client):
     assert "max_tokens" in fails(400, "invalid_request_error", max_tokens=None)
     assert "image" in fails(400, "invalid_request_error", messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
+    assert "messages[0].content[1].text" in fails(400, "invalid_request_error", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": 5}]}])
     assert "budget_tokens" in fails(400, "invalid_request_error",
                                     thinking={"type": "enabled", "budget_tokens": 8})
     assert "tool_choice" in fails(400, "invalid_request_error", tools=[WEATHER],
