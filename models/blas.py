@@ -7,7 +7,7 @@ directly, from a venv, a container or a unit file, is as fast as `make serve`). 
 (tests/bench/blas_bench.py): a 512x1024x3584 float32 matmul took 498 ms on the bundled BLAS,
 15.6 ms on Debian's OpenBLAS 0.3.21 and 8.6 ms on the `cmeel-openblas` wheel's 0.3.31.
 
-Candidates, first that loads wins: a BLAS already in the process (LD_PRELOAD), the
+Candidates, first that loads and runs on this CPU wins: a BLAS already in the process (LD_PRELOAD), the
 `cmeel-openblas` wheel (a dependency on Linux; it needs the system's libgfortran.so.5), then a
 system OpenBLAS. With none, one loud warning says what it costs. macOS uses Accelerate.
 """
@@ -34,11 +34,63 @@ COST = ("MLX's bundled reference BLAS is about 30x slower at float32 matmuls her
         "prefill ~4x slower end to end; the embedded model's first start ~48 min instead of ~3)")
 
 
+# What an OpenBLAS built for one x86 core (no DYNAMIC_ARCH) executes: the cmeel-openblas 0.3.31
+# wheel is built for SKYLAKEX, and on a CPU without AVX-512 (an AMD EPYC with AVX2 only, say) its
+# first sgemm is an illegal instruction that kills the process.
+CORE_NEEDS = {
+    "SAPPHIRERAPIDS": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_fp16"},
+    "COOPERLAKE": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+    "SKYLAKEX": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
+    "ZEN": {"avx2", "fma"},
+    "HASWELL": {"avx2", "fma"},
+    "SANDYBRIDGE": {"avx"},
+    "NEHALEM": set(), "CORE2": set(), "PRESCOTT": set(),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def runs_here(config: str, core: str, machine: str, flags: set[str]) -> str:
+    """Why an OpenBLAS with this build `config` and `core` cannot run on this CPU, or ''."""
+    if machine not in ("x86_64", "AMD64") or "DYNAMIC_ARCH" in config:
+        return ""
+    needs = CORE_NEEDS.get(core.upper())
+    if needs is None:
+        return f"built for {core} only, a core mixbit cannot check"
+    missing = needs - flags
+    return f"built for {core} only; this CPU lacks {', '.join(sorted(missing))}" if missing else ""
+
+
+def _check(path: str) -> str:
+    """Loads `path` privately (its symbols not yet visible to MLX) and returns why it cannot run
+    here, or ''. A later global load of the same path promotes this one."""
+    import platform
+
+    lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    try:
+        lib.openblas_get_config.restype = ctypes.c_char_p
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        config = (lib.openblas_get_config() or b"").decode(errors="replace")
+        core = (lib.openblas_get_corename() or b"").decode(errors="replace")
+    except AttributeError:  # not an OpenBLAS: nothing to check
+        return ""
+    return runs_here(config, core, platform.machine(), _cpu_flags())
+
+
 @dataclass
 class BlasChoice:
     name: str  # "preloaded", "cmeel-openblas", "system", "accelerate", "none"
     path: str = ""
-    error: str = ""
+    error: str = ""  # why there is none; with one: the candidates passed over and why
 
 
 _CHOICE: BlasChoice | None = None
@@ -111,11 +163,15 @@ def ensure_fast_blas() -> BlasChoice:
     for name, paths in (("cmeel-openblas", _wheel_paths()), ("system", _system_paths())):
         for path in paths:
             try:
+                why = _check(path)
+                if why:
+                    errors.append(f"{path}: {why}")
+                    continue
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError as exc:
                 errors.append(f"{path}: {exc}")
                 continue
-            _CHOICE = BlasChoice(name, path)
+            _CHOICE = BlasChoice(name, path, error="; ".join(errors))  # the ones passed over
             return _CHOICE
     _CHOICE = BlasChoice("none", error="; ".join(errors) or "no OpenBLAS found")
     return _CHOICE
@@ -130,5 +186,6 @@ def report(logger: logging.Logger | None = None) -> BlasChoice:
                        "Fix: `apt-get install libgfortran5` (for the cmeel-openblas wheel) or "
                        "`apt-get install libopenblas0-pthread`.", choice.error, COST)
     elif choice.name != "accelerate":
-        logger.info("BLAS for MLX on CPU: %s (%s)", choice.name, choice.path)
+        logger.info("BLAS for MLX on CPU: %s (%s)%s", choice.name, choice.path,
+                    f"; passed over: {choice.error}" if choice.error else "")
     return choice

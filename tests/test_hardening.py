@@ -222,6 +222,22 @@ def test_mixbit_binds_mlx_to_an_optimized_blas_without_preload():
     assert "openblas" in info["path"] and info["bound_to_ours"], info
 
 
+def test_an_openblas_built_for_one_core_is_only_used_where_it_runs():
+    """The cmeel-openblas 0.3.31 wheel is built for SKYLAKEX only: on an AVX2-only CPU its first
+    sgemm killed `mixbit serve` with SIGILL. Such a build is passed over for the next candidate."""
+    from mixbit.models.blas import runs_here
+
+    skx = "OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4"
+    avx2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512vbmi"}
+    why = runs_here(skx, "SKYLAKEX", "x86_64", avx2)
+    assert "SKYLAKEX" in why and "avx512f" in why
+    assert runs_here(skx, "SKYLAKEX", "x86_64", avx512) == ""
+    assert runs_here("OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Zen MAX_THREADS=64", "Zen", "x86_64", avx2) == ""
+    assert runs_here("OpenBLAS 0.3.31 NEOVERSEN1", "NEOVERSEN1", "aarch64", set()) == ""
+    assert "cannot check" in runs_here("OpenBLAS 0.4 NEWCORE", "NEWCORE", "x86_64", avx512)
+
+
 def test_no_fast_blas_is_one_loud_warning(caplog):
     from mixbit.models import blas
 
