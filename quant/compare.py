@@ -28,7 +28,8 @@ from mixbit.models.loading import LoadedModel, load
 from mixbit.models.registry import ResolvedModel, resolve
 
 from . import calibration as calib
-from .evaluate import agent_soak, heldout_loss_by_kind, tool_call_eval
+from .evaluate import heldout_loss_by_kind, tool_call_eval
+from .soak import MODES, soak_variant
 from .variants import ensure_variant
 
 
@@ -44,7 +45,7 @@ class VariantResult:
     ppl: dict[str, float] = field(default_factory=dict)
     tools: dict[str, float] = field(default_factory=dict)
     tools_constrained: dict[str, float] = field(default_factory=dict)
-    soak: dict = field(default_factory=dict)  # rounds before the agent loop broke, free/constrained
+    soak: dict = field(default_factory=dict)  # agent soak through /v1/messages, per mode (soak.MODES)
     seconds_to_build: float = 0.0
     error: str = ""  # a variant that could not be built or loaded: reported, the others go on
 
@@ -129,7 +130,8 @@ def token_klds(reference: LoadedModel, candidate: LoadedModel, rows: mx.array) -
 
 def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_docs: int = 120,
             work: Path | None = None, progress=print, on_result=None,
-            soak: bool = False) -> list[VariantResult]:
+            soak: int = 0) -> list[VariantResult]:
+    """`soak`: rounds of the agent soak through the served /v1/messages per variant (0: none)."""
     resolved = resolve(source)
     work = work or Path(tempfile.mkdtemp(prefix="mixbit-eval-"))
     reference = load(resolved)
@@ -165,8 +167,7 @@ def compare(source: str, specs: list[str], cache_dir: str, n_tool: int = 48, n_d
         losses = heldout_loss_by_kind(lm, docs)
         tools = tool_call_eval(lm, prompts).rates()
         constrained = tool_call_eval(lm, prompts, constrained=True).rates()
-        soaks = {mode: agent_soak(lm, constrained=mode == "constrained").__dict__
-                 for mode in ("free", "constrained")} if soak else {}
+        soaks = soak_variant(Path(path), work, spec, max_rounds=soak, progress=progress) if soak else {}
         nbytes = weight_bytes(Path(path))
         results.append(VariantResult(
             name=spec, path=str(path), nbytes=nbytes, bits_per_weight=bits_per_weight(nbytes, n_params),
@@ -182,7 +183,7 @@ def table(results: list[VariantResult]) -> str:
     kinds = sorted({k for r in results for k in r.ppl})
     head = ["variant", "MB", "bpw", "KLD mean", "KLD p99", "top-1", *[f"ppl {k}" for k in kinds],
             "call ok", "right fn", "exact args", "plain ok", "exact args (grammar)",
-            "agent rounds (free / grammar)"]
+            "agent rounds via /v1/messages (free / grammar)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if r.error:
@@ -193,7 +194,7 @@ def table(results: list[VariantResult]) -> str:
                  f"{r.tools['well_formed']:.1%}", f"{r.tools['right_function']:.1%}",
                  f"{r.tools['exact_args']:.1%}", f"{r.tools['plain_answer']:.1%}",
                  f"{r.tools_constrained.get('exact_args', float('nan')):.1%}",
-                 " / ".join(_rounds(r.soak.get(m)) for m in ("free", "constrained"))]
+                 " / ".join(_rounds(r.soak.get(m)) for m in MODES)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -201,7 +202,7 @@ def table(results: list[VariantResult]) -> str:
 def _rounds(soak: dict | None) -> str:
     if not soak:
         return "-"
-    return f"{soak['rounds']}" + ("" if soak["broke_at"] is None else f" ({soak['reason']})")
+    return f"{soak['rounds']}" + (f" ({soak['reason']})" if soak["reason"] else "")
 
 
 def pareto(results: list[VariantResult]) -> list[VariantResult]:
@@ -242,7 +243,7 @@ def to_json(results: list[VariantResult]) -> list[dict]:
 
 
 def main_eval(source: str, specs: list[str], cache_dir: str, out_json: str | None, out_png: str | None,
-              n_tool: int, soak: bool = False) -> str:
+              n_tool: int, soak: int = 0) -> str:
     def save(partial):
         if out_json:  # whole or not at all: a cut run leaves the rows that finished
             tmp = Path(out_json).with_suffix(".json.tmp")

@@ -159,31 +159,70 @@ class SoakResult:
     reason: str = ""
     right_calls: int = 0  # rounds whose call had the right function and exact arguments
     tokens: int = 0  # conversation length at the end
+    output: str = ""  # what the model returned in the round that broke
+
+
+MARKUP = ("<tool_call>", "</tool_call>", "<function=")
+
+
+def leaks_markup(text: str) -> bool:
+    """Tool-call markup in what should be plain text: the failure of uniformly quantized Qwen3.5."""
+    return any(m in text for m in MARKUP)
+
+
+class SoakScript:
+    """The user and the tools of an agent soak: `n_tools` held-out tools, a new request each round,
+    and a result for whatever the model called. The in-process soak and the one through the served
+    API (quant/soak.py) play the same script, so their rounds compare."""
+
+    def __init__(self, seed: int = 77, n_tools: int = 4):
+        import random
+
+        from mixbit.models.training import catalogue
+
+        self.rng = random.Random(seed)
+        self.functions = self.rng.sample(catalogue.FUNCTIONS, n_tools)
+        self.tools = [f.schema() for f in self.functions]  # OpenAI's shape
+        self.fn = self.functions[0]
+        self.args: dict[str, str] = {}
+
+    def request(self) -> str:
+        """The next user request; remembers which call it asks for."""
+        self.fn = self.rng.choice(self.functions)
+        self.args = corpus.sample_args(self.fn, self.rng, "heldout")
+        return corpus.request_text(self.fn, self.args, self.rng, "heldout")
+
+    def right(self, name: str, arguments: dict) -> bool:
+        return name == self.fn.name and args_match(arguments, corpus.typed(self.fn, self.args))
+
+    def result(self, name: str, arguments: dict) -> str:
+        """JSON text of the called tool's result (an error for arguments it cannot use)."""
+        import json
+
+        called = next((f for f in self.functions if f.name == name), self.fn)
+        try:
+            result = corpus.tool_result(called, {p.name: str(arguments.get(p.name, ""))
+                                                 for p in called.params}, self.rng)
+        except (KeyError, ValueError, ZeroDivisionError):
+            result = {"error": "bad arguments"}
+        return json.dumps(result)
 
 
 def agent_soak(lm: LoadedModel, max_rounds: int = 30, seed: int = 77, constrained: bool = False,
                n_tools: int = 4, context: int | None = None) -> SoakResult:
-    """A multi-turn agent loop with `n_tools` tools: request -> tool call -> tool result ->
-    answer -> next request, until the context is full or `max_rounds`. Reports the first round
-    where the model leaks tool-call markup into content or stops calling tools (what breaks
+    """A multi-turn agent loop with `n_tools` tools, in process: request -> tool call -> tool
+    result -> answer -> next request, until the context is full or `max_rounds`. Reports the first
+    round where the model leaks tool-call markup into content or stops calling tools (what breaks
     uniformly quantized Qwen3.5 after a few rounds), and how many calls were exactly right."""
-    import json
-    import random
-
-    from mixbit.models.training import catalogue
-
-    rng = random.Random(seed)
+    script = SoakScript(seed, n_tools)
+    tools = script.tools
     parser = parser_for_template(lm.chat_template)
     cfg = lm.config.get("text_config", lm.config)
     context = context or int(cfg.get("max_position_embeddings", 4096))
-    functions = rng.sample(catalogue.FUNCTIONS, n_tools)
-    tools = [f.schema() for f in functions]
     messages: list[dict] = []
     right = used = 0
     for round_no in range(1, max_rounds + 1):
-        fn = rng.choice(functions)
-        args = corpus.sample_args(fn, rng, "heldout")
-        messages.append({"role": "user", "content": corpus.request_text(fn, args, rng, "heldout")})
+        messages.append({"role": "user", "content": script.request()})
         prompt = render_chat(lm.tokenizer, messages, tools)
         used = len(lm.tokenizer.encode(prompt, add_special_tokens=False))
         if used + 200 > context:
@@ -192,27 +231,21 @@ def agent_soak(lm: LoadedModel, max_rounds: int = 30, seed: int = 77, constraine
         procs = tool_grammar_processors(lm, [probe]) if constrained else None
         out = generate_batch(lm, [prompt], max_tokens=96, processors=procs)[0]
         parsed = parse_output(out, parser, tools, prompt_opens_think(prompt))
-        if "<tool_call>" in parsed.content or "<function=" in parsed.content:
-            return SoakResult(round_no - 1, round_no, "markup in content", right, used)
+        if leaks_markup(parsed.content):
+            return SoakResult(round_no - 1, round_no, "markup in content", right, used, out)
         if not parsed.tool_calls:
-            return SoakResult(round_no - 1, round_no, "no tool call", right, used)
+            return SoakResult(round_no - 1, round_no, "no tool call", right, used, out)
         call = parsed.tool_calls[0]
-        right += call.name == fn.name and args_match(call.arguments, corpus.typed(fn, args))
-        called = next((f for f in functions if f.name == call.name), fn)
-        try:
-            result = corpus.tool_result(called, {p.name: str(call.arguments.get(p.name, ""))
-                                                 for p in called.params}, rng)
-        except (KeyError, ValueError, ZeroDivisionError):
-            result = {"error": "bad arguments"}
+        right += script.right(call.name, call.arguments)
         messages.append({"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}]})
-        messages.append({"role": "tool", "content": json.dumps(result)})
+        messages.append({"role": "tool", "content": script.result(call.name, call.arguments)})
         answer_prompt = render_chat(lm.tokenizer, messages, tools)
         probe = corpus.ToolPrompt(messages=list(messages), tools=tools, expected=None, value_kind="pool")
         procs = tool_grammar_processors(lm, [probe]) if constrained else None
         answer = generate_batch(lm, [answer_prompt], max_tokens=64, processors=procs)[0]
         parsed = parse_output(answer, parser, tools, prompt_opens_think(answer_prompt))
-        if "<tool_call>" in parsed.content or "<function=" in parsed.content or parsed.tool_calls:
-            return SoakResult(round_no - 1, round_no, "tool call instead of an answer", right, used)
+        if leaks_markup(parsed.content) or parsed.tool_calls:
+            return SoakResult(round_no - 1, round_no, "tool call instead of an answer", right, used, answer)
         messages.append({"role": "assistant", "content": parsed.content})
     return SoakResult(max_rounds, None, "", right, used)

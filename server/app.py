@@ -506,4 +506,4 @@ def without_local_paths(value):
 def _card(st: ServerState, authenticated: bool) -> ModelCard:
     """Local paths only for a request that presented a valid API key."""
     provenance = st.provenance if authenticated else without_local_paths(st.provenance)
-    return ModelCard(id=st.served_id, created=st.created, mixbit=provenance)
+    return ModelCard(id=st.served_id, created=st.created, max_model_len=st.context_length, mixbit=provenance)

@@ -306,8 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", help="compare quantized variants against bf16, e.g. "
                    "uniform-4,uniform-3,unsloth-static,mixbit-auto,mlx-uniform-4,mlx-dynamic@4.5")
     p.add_argument("--plot", help="with --variants: write a PNG of KLD against size here")
-    p.add_argument("--soak", action="store_true",
-                   help="with --variants: also run the multi-turn agent soak per variant (slow)")
+    p.add_argument("--soak", nargs="?", type=int, const=70, default=0, metavar="ROUNDS",
+                   help="with --variants: also serve each variant with `mixbit serve` and run an agent "
+                   "loop through its /v1/messages, with and without the tool grammar, until a round "
+                   "leaks tool markup or calls no tool, ROUNDS rounds (default 70) or the context is full")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("quantize", help="quantize a model with a recipe (cached, or into --out)")

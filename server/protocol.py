@@ -418,6 +418,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mixbit"
+    max_model_len: int  # the context in tokens, prompt and generation together (vLLM's field)
     # provenance of what is served (recipe, bits per weight, measured fidelity)
     mixbit: dict[str, Any] = Field(default_factory=dict)
 

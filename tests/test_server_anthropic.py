@@ -291,3 +291,15 @@ def test_claude_code_shaped_loop_until_the_context_is_full(server, client, tmp_p
     assert client.messages.create(model=MODEL, max_tokens=8, messages=JOKE).content
     metrics = httpx.get(server.url + "/metrics", headers={"x-api-key": KEY}).text
     assert 'endpoint="/v1/messages"' in metrics
+
+
+def test_agent_soak_plays_through_this_api(server):
+    """`mixbit eval --variants ... --soak` serves each variant and runs its agent loop through
+    /v1/messages (quant/soak.py); the context it stops at comes from GET /v1/models."""
+    from mixbit.quant.soak import messages_soak
+
+    card = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).json()["data"][0]
+    assert card["max_model_len"] == 4096  # vLLM's field: prompt and generation together
+    r = messages_soak(server.url, max_rounds=3, api_key=KEY)
+    assert (r.rounds, r.broke_at, r.reason) == (3, None, ""), r
+    assert r.right_calls >= 2 and 500 < r.tokens < 4096, r

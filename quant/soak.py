@@ -1,0 +1,142 @@
+"""The agent soak through the served Anthropic Messages API.
+
+What broke community quants of Qwen3.5 was seen through an Anthropic-compatible endpoint: after a
+few rounds of an agent loop, tool calls came back as plain text. This soak runs that loop against a
+real `mixbit serve` process serving the variant (its kernels, its chat template, its parser and,
+in "grammar" mode, its tool grammar): request -> `tool_use` -> `tool_result` -> answer -> next
+request, until a round leaks tool-call markup into text or stops calling tools, `max_rounds` pass,
+or the conversation no longer fits the context. The user and the tools are `evaluate.SoakScript`,
+the same script the in-process soak plays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .evaluate import SoakResult, SoakScript, leaks_markup
+
+MODES = {"free": False, "grammar": True}  # generation.tool_grammar of the served variant
+ROOM = 200  # tokens kept free for a call and its answer; a fuller conversation counts as "context full"
+
+
+class SoakServerError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(path: Path, tool_grammar: bool, log_path: Path, timeout: float = 600):
+    """Base URL of a `mixbit serve` process serving the model folder `path` on a free loopback
+    port; stopped on exit. Fidelity checks are off: the soak measures the variant, not them."""
+    port = _free_port()
+    args = [sys.executable, "-m", "mixbit.server.cli", "serve", "--model", str(path),
+            "--port", str(port), "--set", "fidelity.enabled=false",
+            "--set", f"generation.tool_grammar={'true' if tool_grammar else 'false'}",
+            "--recipe", "bf16"]  # a quantized folder is served as it is whatever the recipe
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIXBIT_")}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise SoakServerError(f"mixbit serve exited ({proc.returncode}); see {log_path}")
+                if time.time() > deadline:
+                    raise SoakServerError(f"mixbit serve not ready after {timeout:.0f} s; see {log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.3)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def messages_soak(url: str, max_rounds: int = 70, seed: int = 77, n_tools: int = 4,
+                  api_key: str | None = None, timeout: float = 600) -> SoakResult:
+    """The agent loop against the `/v1/messages` of the server at `url`, greedy."""
+    script = SoakScript(seed, n_tools)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in script.tools]
+    headers = {"anthropic-version": "2023-06-01", **({"x-api-key": api_key} if api_key else {})}
+    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as client:
+        def post(path: str, body: dict) -> dict:
+            r = client.post(path, json=body)
+            if r.status_code != 200:
+                raise SoakServerError(f"POST {path}: {r.status_code} {r.text[:300]}")
+            return r.json()
+
+        card = client.get("/v1/models").json()["data"][0]
+        model, context = card["id"], card["max_model_len"]
+        messages: list[dict] = []
+        right = used = 0
+
+        def ask(max_tokens: int) -> tuple[list[str], list[dict]]:
+            reply = post("/v1/messages", {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                                          "tools": tools, "messages": messages})
+            messages.append({"role": "assistant", "content": reply["content"]})
+            return ([b["text"] for b in reply["content"] if b["type"] == "text"],
+                    [b for b in reply["content"] if b["type"] == "tool_use"])
+
+        def broke(round_no: int, reason: str) -> SoakResult:
+            return SoakResult(round_no - 1, round_no, reason, right, used,
+                              json.dumps(messages[-1]["content"])[:1000])
+
+        for round_no in range(1, max_rounds + 1):
+            messages.append({"role": "user", "content": script.request()})
+            used = post("/v1/messages/count_tokens", {"model": model, "tools": tools,
+                                                      "messages": messages})["input_tokens"]
+            if used + ROOM > context:
+                return SoakResult(round_no - 1, None, "context full", right, used)
+            texts, calls = ask(96)
+            if any(leaks_markup(t) for t in texts):
+                return broke(round_no, "markup in text")
+            if not calls:
+                return broke(round_no, "no tool call")
+            right += script.right(calls[0]["name"], calls[0]["input"])
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": c["id"], "content": script.result(c["name"], c["input"])}
+                for c in calls]})
+            texts, calls = ask(64)
+            if calls or any(leaks_markup(t) for t in texts):
+                return broke(round_no, "tool call instead of an answer")
+            if not "".join(texts).strip():
+                return broke(round_no, "empty answer")
+    return SoakResult(max_rounds, None, "", right, used)
+
+
+def soak_variant(path: Path, work: Path, name: str, max_rounds: int = 70,
+                 progress=print) -> dict[str, dict]:
+    """Both modes for one variant folder: {"free": SoakResult fields, "grammar": ...}."""
+    out = {}
+    for mode, grammar in MODES.items():
+        log_path = work / f"soak-{name.replace('/', '_')}-{mode}.log"
+        with served(path, grammar, log_path) as url:
+            out[mode] = messages_soak(url, max_rounds=max_rounds).__dict__
+        progress(f"{name} soak ({mode}): {out[mode]['rounds']} rounds"
+                 + (f", broke at {out[mode]['broke_at']}: {out[mode]['reason']}" if out[mode]["broke_at"]
+                    else f" ({out[mode]['reason'] or 'all'})"))
+    return out
