@@ -183,7 +183,7 @@ def table(results: list[VariantResult]) -> str:
     kinds = sorted({k for r in results for k in r.ppl})
     head = ["variant", "MB", "bpw", "KLD mean", "KLD p99", "top-1", *[f"ppl {k}" for k in kinds],
             "call ok", "right fn", "exact args", "plain ok", "exact args (grammar)",
-            "agent rounds via /v1/messages (free / grammar)"]
+            "agent soak via /v1/messages: first broken round; broken/played (free / grammar)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if r.error:
@@ -200,9 +200,12 @@ def table(results: list[VariantResult]) -> str:
 
 
 def _rounds(soak: dict | None) -> str:
+    """'8 (no tool call); 5/31': first round that broke, why, rounds that broke of those played."""
     if not soak:
         return "-"
-    return f"{soak['rounds']}" + (f" ({soak['reason']})" if soak["reason"] else "")
+    if soak["broke_at"] is None:
+        return f"none; 0/{soak['played']}" + (f" ({soak['reason']})" if soak["reason"] else "")
+    return f"{soak['broke_at']} ({soak['reason']}); {soak['failed']}/{soak['played']}"
 
 
 def pareto(results: list[VariantResult]) -> list[VariantResult]:

@@ -160,6 +160,8 @@ class SoakResult:
     right_calls: int = 0  # rounds whose call had the right function and exact arguments
     tokens: int = 0  # conversation length at the end
     output: str = ""  # what the model returned in the round that broke
+    played: int = 0  # rounds played (a soak that goes on after a break; 0: it stopped there)
+    failed: int = 0  # of those, rounds that broke
 
 
 MARKUP = ("<tool_call>", "</tool_call>", "<function=")

@@ -77,7 +77,9 @@ def served(path: Path, tool_grammar: bool, log_path: Path, timeout: float = 600)
 
 def messages_soak(url: str, max_rounds: int = 70, seed: int = 77, n_tools: int = 4,
                   api_key: str | None = None, timeout: float = 600) -> SoakResult:
-    """The agent loop against the `/v1/messages` of the server at `url`, greedy."""
+    """The agent loop against the `/v1/messages` of the server at `url`, greedy. A round that
+    breaks is counted and the loop goes on (the next user turn answers any tool call it made), so
+    the result has both the first round that broke and how many of the rounds played did."""
     script = SoakScript(seed, n_tools)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in script.tools]
@@ -92,40 +94,57 @@ def messages_soak(url: str, max_rounds: int = 70, seed: int = 77, n_tools: int =
         card = client.get("/v1/models").json()["data"][0]
         model, context = card["id"], card["max_model_len"]
         messages: list[dict] = []
-        right = used = 0
+        right = used = played = failed = 0
+        first: tuple[int, str, str] | None = None  # the first round that broke, why, what came back
+        owed: list[dict] = []  # tool_result blocks a broken round still owes the next user turn
 
         def ask(max_tokens: int) -> tuple[list[str], list[dict]]:
             reply = post("/v1/messages", {"model": model, "max_tokens": max_tokens, "temperature": 0,
                                           "tools": tools, "messages": messages})
-            messages.append({"role": "assistant", "content": reply["content"]})
+            if reply["content"]:  # an empty turn is not resent (the API refuses empty content)
+                messages.append({"role": "assistant", "content": reply["content"]})
             return ([b["text"] for b in reply["content"] if b["type"] == "text"],
                     [b for b in reply["content"] if b["type"] == "tool_use"])
 
-        def broke(round_no: int, reason: str) -> SoakResult:
-            return SoakResult(round_no - 1, round_no, reason, right, used,
-                              json.dumps(messages[-1]["content"])[:1000])
+        def results(calls: list[dict]) -> list[dict]:
+            return [{"type": "tool_result", "tool_use_id": c["id"],
+                     "content": script.result(c["name"], c["input"])} for c in calls]
 
         for round_no in range(1, max_rounds + 1):
-            messages.append({"role": "user", "content": script.request()})
+            request = script.request()
+            messages.append({"role": "user", "content": owed + [{"type": "text", "text": request}]
+                             if owed else request})
+            owed = []
             used = post("/v1/messages/count_tokens", {"model": model, "tools": tools,
                                                       "messages": messages})["input_tokens"]
             if used + ROOM > context:
-                return SoakResult(round_no - 1, None, "context full", right, used)
+                messages.pop()
+                break
+            played += 1
+            reason = None
             texts, calls = ask(96)
             if any(leaks_markup(t) for t in texts):
-                return broke(round_no, "markup in text")
-            if not calls:
-                return broke(round_no, "no tool call")
-            right += script.right(calls[0]["name"], calls[0]["input"])
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": c["id"], "content": script.result(c["name"], c["input"])}
-                for c in calls]})
-            texts, calls = ask(64)
-            if calls or any(leaks_markup(t) for t in texts):
-                return broke(round_no, "tool call instead of an answer")
-            if not "".join(texts).strip():
-                return broke(round_no, "empty answer")
-    return SoakResult(max_rounds, None, "", right, used)
+                reason, owed = "markup in text", results(calls)
+            elif not calls:
+                reason = "no tool call"
+            else:
+                right += script.right(calls[0]["name"], calls[0]["input"])
+                messages.append({"role": "user", "content": results(calls)})
+                texts, calls = ask(64)
+                if calls or any(leaks_markup(t) for t in texts):
+                    reason, owed = "tool call instead of an answer", results(calls)
+                elif not "".join(texts).strip():
+                    reason = "empty answer"
+            if reason:  # counted, and the loop goes on as an agent's user would
+                failed += 1
+                if first is None:
+                    last = messages[-1]["content"] if messages[-1]["role"] == "assistant" else []
+                    first = (round_no, reason, json.dumps(last)[:1000])
+    full = played < max_rounds
+    if first is None:
+        return SoakResult(played, None, "context full" if full else "", right, used,
+                          played=played, failed=0)
+    return SoakResult(first[0] - 1, first[0], first[1], right, used, first[2], played=played, failed=failed)
 
 
 def soak_variant(path: Path, work: Path, name: str, max_rounds: int = 70,
@@ -136,7 +155,8 @@ def soak_variant(path: Path, work: Path, name: str, max_rounds: int = 70,
         log_path = work / f"soak-{name.replace('/', '_')}-{mode}.log"
         with served(path, grammar, log_path) as url:
             out[mode] = messages_soak(url, max_rounds=max_rounds).__dict__
-        progress(f"{name} soak ({mode}): {out[mode]['rounds']} rounds"
-                 + (f", broke at {out[mode]['broke_at']}: {out[mode]['reason']}" if out[mode]["broke_at"]
-                    else f" ({out[mode]['reason'] or 'all'})"))
+        r = out[mode]
+        progress(f"{name} soak ({mode}): " + (f"first broke at round {r['broke_at']} ({r['reason']}), "
+                 f"{r['failed']} of {r['played']} rounds broke" if r["broke_at"] else
+                 f"none of {r['played']} rounds broke" + (f" ({r['reason']})" if r["reason"] else "")))
     return out

@@ -38,3 +38,27 @@ def test_pareto_front_and_table():
     text = table(rs)
     assert text.splitlines()[0].startswith("| variant | MB | bpw | KLD mean")
     assert len(text.splitlines()) == 2 + len(rs)
+
+
+def test_eval_variants_with_the_agent_soak_through_the_served_api(tmp_path):
+    """`mixbit eval --variants V --soak N`: every variant is served by `mixbit serve` and driven
+    through /v1/messages with and without the tool grammar; the table and the JSON say where
+    each loop broke."""
+    out = tmp_path / "soak.json"
+    r = run_cli("eval", "--variants", "uniform-4", "--n-tool", "4", "--soak", "2", "--out", str(out),
+                "--set", f"model.cache_dir='{tmp_path / 'cache'}'", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"bf16", "uniform-4"}
+    for row in rows.values():
+        assert set(row["soak"]) == {"free", "grammar"}
+        for s in row["soak"].values():
+            assert 0 <= s["rounds"] <= 2 and s["tokens"] > 0 and s["played"] == 2
+            # a loop either ran its 2 rounds clean or names the first round that broke and why,
+            # and counts the rounds that broke (it goes on after a break)
+            assert (s["rounds"], s["broke_at"], s["failed"]) == (2, None, 0) or (
+                s["broke_at"] == s["rounds"] + 1 and s["reason"] and 1 <= s["failed"] <= 2)
+    assert rows["bf16"]["soak"]["grammar"]["rounds"] == 2  # the trained model holds 7 rounds
+    header = next(line for line in r.stdout.splitlines() if line.startswith("| variant"))
+    assert "agent soak via /v1/messages" in header
+    assert "soak (grammar)" in r.stdout  # progress names each loop as it ends

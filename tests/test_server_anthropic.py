@@ -301,5 +301,5 @@ def test_agent_soak_plays_through_this_api(server):
     card = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).json()["data"][0]
     assert card["max_model_len"] == 4096  # vLLM's field: prompt and generation together
     r = messages_soak(server.url, max_rounds=3, api_key=KEY)
-    assert (r.rounds, r.broke_at, r.reason) == (3, None, ""), r
+    assert (r.rounds, r.broke_at, r.reason, r.played, r.failed) == (3, None, "", 3, 0), r
     assert r.right_calls >= 2 and 500 < r.tokens < 4096, r
