@@ -162,12 +162,13 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
         f = c.finish
         if f is None:
             continue
-        m.e2e.labels(plan.endpoint).observe(now - c.started)
+        v = st.variant
+        m.e2e.labels(plan.endpoint, v).observe(now - c.started)
         if c.first_at is not None:
-            m.ttft.labels(plan.endpoint).observe(c.first_at - c.started)
-        m.prompt_tokens.inc(max(f.prompt_tokens - f.cached_tokens, 0))
-        m.cached_tokens.inc(f.cached_tokens)
-        m.generation_tokens.inc(f.completion_tokens)
+            m.ttft.labels(plan.endpoint, v).observe(c.first_at - c.started)
+        m.prompt_tokens.labels(v).inc(max(f.prompt_tokens - f.cached_tokens, 0))
+        m.cached_tokens.labels(v).inc(f.cached_tokens)
+        m.generation_tokens.labels(v).inc(f.completion_tokens)
         kind = "completion"
         if plan.kind == "chat":
             kind = "chat"
@@ -175,20 +176,20 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
             if plan.tools:
                 if calls:
                     kind = "tool_call"
-                    m.tool_calls.labels("parsed").inc(len(calls))
+                    m.tool_calls.labels("parsed", v).inc(len(calls))
                 if c.parse_errors:
-                    m.tool_calls.labels("parse_failed").inc(c.parse_errors)
+                    m.tool_calls.labels("parse_failed", v).inc(c.parse_errors)
                 if "<tool_call>" in c.content or "<function=" in c.content:
-                    m.tool_calls.labels("markup_in_content").inc()
+                    m.tool_calls.labels("markup_in_content", v).inc()
                 if plan.forced_tools and not calls and f.reason == "stop":
-                    m.tool_calls.labels("forced_without_call").inc()
+                    m.tool_calls.labels("forced_without_call", v).inc()
                 if plan.grammar is not None:
                     for call in calls:
                         fn = next((t["function"] for t in plan.tools
                                    if t["function"]["name"] == call.name), {})
                         if (plan.forced_tools or fn.get("strict")) and fn.get("parameters") and \
                                 not _valid(call.arguments, fn["parameters"]):
-                            m.constrained_invalid.labels("tool_arguments").inc()
+                            m.constrained_invalid.labels("tool_arguments", v).inc()
             if plan.json_schema is not None and not calls:
                 kind = "json"
                 if f.reason == "stop":
@@ -197,9 +198,10 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
                     except ValueError:
                         ok = False
                     if not ok:
-                        m.constrained_invalid.labels("json").inc()
+                        m.constrained_invalid.labels("json", v).inc()
         if st.fidelity is not None and f.reason in ("stop", "length"):
-            st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid, grammar=plan.grammar))
+            st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid, grammar=plan.grammar,
+                                  variant=v, model=st.lm.model))
 
 
 def release(st: ServerState, choices: list[_Choice]) -> None:

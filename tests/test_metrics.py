@@ -97,7 +97,7 @@ def test_models_endpoint_and_fidelity_view_carry_provenance(served):
     assert card["mixbit"]["recipe"] == "uniform-4" and card["mixbit"]["measured_kld"] > 0
     assert httpx.get(served.url + "/v1/fidelity").status_code == 401  # behind the key
     view = httpx.get(served.url + "/v1/fidelity?limit=5", headers=auth).json()
-    assert view["enabled"] and view["variant"] == "uniform-4" and len(view["checks"]) == 5
+    assert view["enabled"] and view["variants"] == ["uniform-4"] and len(view["checks"]) == 5
     check = view["checks"][0]
     assert set(check) >= {"kind", "tokens", "kld_mean", "top1_agreement", "flips", "first_divergence"}
     assert check["kld_mean"] >= 0 and 0 <= check["top1_agreement"] <= 1
