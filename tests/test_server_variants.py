@@ -6,16 +6,14 @@ Prometheus scrape; /v1/fidelity filters by variant; a memory budget refuses what
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 
 import httpx
 import openai
 import pytest
 
 from .conftest import ROOT
-from .server_proc import ServerProcess, free_port
-from .test_metrics import _metrics, _value, _wait
+from .server_proc import ServerProcess
+from .test_metrics import NO_PROMETHEUS, _metrics, _value, _wait, prometheus
 
 NAME = "tiny-qwen3.5"
 VARIANTS = ["uniform-4", "uniform-3", "bf16"]
@@ -99,31 +97,9 @@ def test_fidelity_is_checked_per_variant_against_one_reference(served, client):
     assert httpx.get(served.url + "/v1/fidelity", params={"variant": "uniform-9"}).status_code == 404
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary: `make test` installs it")
+@NO_PROMETHEUS
 def test_real_prometheus_sees_each_variant_s_own_series(served, client, tmp_path):
-    port = free_port()
-    rules = tmp_path / "alerts.yml"
-    rules.write_text((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
-    config = tmp_path / "prometheus.yml"
-    config.write_text(f"""
-global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-rule_files: ["{rules}"]
-scrape_configs:
-  - job_name: mixbit
-    static_configs: [{{targets: ["127.0.0.1:{served.port}"]}}]
-""")
-    log = open(tmp_path / "prometheus.log", "w")
-    proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-    api = f"http://127.0.0.1:{port}/api/v1"
-    try:
-        def query(q):
-            try:
-                r = httpx.get(api + "/query", params={"query": q}, timeout=5).json()
-            except httpx.HTTPError:
-                return None
-            return r["data"]["result"] if r.get("status") == "success" and r["data"]["result"] else None
-
+    with prometheus(tmp_path, served.port) as (query, api):
         _wait(lambda: query('up{job="mixbit"} == 1'), timeout=60)
         _traffic(client, n=1)
         by_variant = _wait(lambda: (r := query("sum by (variant) (mixbit_fidelity_checks_total)")) and
@@ -133,10 +109,6 @@ scrape_configs:
         assert {r["metric"]["variant"] for r in running} == set(VARIANTS)
         groups = httpx.get(api + "/rules", timeout=5).json()["data"]["groups"]
         assert all(r["health"] != "err" for g in groups for r in g["rules"])
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 def test_a_memory_budget_refuses_variants_that_do_not_fit(tmp_path):
