@@ -218,6 +218,7 @@ def start_loading(state: ServerState) -> threading.Thread:
             aliases.update({f"{served_name(s, resolved)}:{v.variant}": v for v in state.variants})
             aliases.setdefault(served_name(s, resolved), first)
             state.aliases = aliases
+            _wire_mirrors(state)
             worker = _fidelity_worker(state, resolved)
             for v in state.variants:
                 v.fidelity = worker
@@ -236,6 +237,25 @@ def start_loading(state: ServerState) -> threading.Thread:
     t = threading.Thread(target=work, name="mixbit-loader", daemon=True)
     t.start()
     return t
+
+
+def _wire_mirrors(state: ServerState) -> None:
+    """fidelity.mirror_rate: each variant's mirror (fidelity.mirror_to, or the next variant)."""
+    f = state.settings.fidelity
+    if not f.mirror_rate:
+        return
+    vs = state.variants
+    if len(vs) < 2:
+        log.warning("fidelity.mirror_rate is set but one variant is served: nothing to mirror to")
+        return
+    labels = [v.variant for v in vs]
+    if f.mirror_to and f.mirror_to not in labels:
+        raise StartupRefused(f"fidelity.mirror_to {f.mirror_to!r} is not served; served: {', '.join(labels)}")
+    for i, v in enumerate(vs):
+        target = next((w for w in vs if w.variant == f.mirror_to), None) if f.mirror_to else None
+        v.mirror = target if target is not None and target is not v else vs[(i + 1) % len(vs)]
+    log.info("mirroring %.0f%% of chat requests: %s", 100 * f.mirror_rate,
+             ", ".join(f"{v.variant} -> {v.mirror.variant}" for v in vs))
 
 
 def _stop_engines(state: ServerState) -> None:

@@ -138,6 +138,11 @@ class Metrics:
                                    ["variant", "kind"], buckets=POSITION, registry=r)
         self.fid_dropped = Counter("mixbit_fidelity_dropped", "Spot checks not run, by reason",
                                    ["reason", "variant"], registry=r)
+        self.mirror = Counter("mixbit_mirror_comparisons", "Requests re-run on a second variant "
+                              "(fidelity.mirror_rate) by how the two outputs compare: same_call, "
+                              "different_arguments, different_function, call_vs_no_call, same_text, "
+                              "different_text, json_valid_different, mirror_json_invalid; dropped_busy, "
+                              "mirror_error", ["variant", "mirror", "outcome"], registry=r)
         self.fid_seconds = Histogram("mixbit_fidelity_check_seconds",
                                      "Compute time of one spot check (rests while serving excluded)",
                                      buckets=LATENCY, registry=r)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -202,6 +203,11 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
         if st.fidelity is not None and f.reason in ("stop", "length"):
             st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid, grammar=plan.grammar,
                                   variant=v, model=st.lm.model))
+        if st.mirror is not None and plan.kind == "chat" and f.reason in ("stop", "length") and \
+                random.random() < st.settings.fidelity.mirror_rate:
+            task = asyncio.get_running_loop().create_task(mirror(st, plan, c))
+            _MIRRORS.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(_MIRRORS.discard)
 
 
 def release(st: ServerState, choices: list[_Choice]) -> None:
@@ -209,6 +215,63 @@ def release(st: ServerState, choices: list[_Choice]) -> None:
         if c.finish is None:
             st.engine.cancel(c.seq, "cancelled")
     st.inflight -= len(choices)
+
+
+_MIRRORS: set[asyncio.Task] = set()
+
+
+async def mirror(st: ServerState, plan: Plan, original: _Choice) -> None:
+    """Re-runs a finished chat request on `st.mirror` (same prompt, sampling and grammar), off the
+    client's path, and counts how the two outputs compare. A busy mirror drops it (counted)."""
+    target, m = st.mirror, st.metrics
+    labels = (st.variant, target.variant)
+    if target.engine.stats.waiting:  # mirrored work never queues ahead of real requests
+        m.mirror.labels(*labels, "dropped_busy").inc()
+        return
+    try:
+        (c,) = start_choices(target, plan, 1)
+    except APIError:
+        m.mirror.labels(*labels, "dropped_busy").inc()
+        return
+    try:
+        while c.finish is None:
+            ev = await c.queue.get()
+            c.text += ev.text
+            if isinstance(ev, FinishEvent):
+                c.finish = ev
+        if c.finish.reason not in ("stop", "length"):
+            raise RuntimeError(c.finish.error or c.finish.reason)
+        c.feed(c.text, final=True)
+        outcome = compare_outputs(plan, original, c)
+    except Exception as exc:  # noqa: BLE001 - a failed mirror is counted, never seen by a client
+        log.warning("mirror of a %s request on %s failed: %s", st.variant, target.variant, exc)
+        outcome = "mirror_error"
+    finally:
+        release(target, [c])
+    m.mirror.labels(*labels, outcome).inc()
+
+
+def compare_outputs(plan: Plan, a: _Choice, b: _Choice) -> str:
+    """How the mirror's output `b` compares with the served `a` (what a user of the served variant
+    would notice: a call or none, which function, which arguments, valid JSON, the same text)."""
+    calls_a = a.parser.calls if a.parser else []
+    calls_b = b.parser.calls if b.parser else []
+    if plan.tools and (calls_a or calls_b):
+        if bool(calls_a) != bool(calls_b):
+            return "call_vs_no_call"
+        if [x.name for x in calls_a] != [x.name for x in calls_b]:
+            return "different_function"
+        if [x.arguments for x in calls_a] != [x.arguments for x in calls_b]:
+            return "different_arguments"
+        return "same_call"
+    same = a.content.strip() == b.content.strip()
+    if plan.json_schema is not None:
+        try:
+            valid = _valid(json.loads(b.content), plan.json_schema)
+        except ValueError:
+            valid = False
+        return "mirror_json_invalid" if not valid else "same_text" if same else "json_valid_different"
+    return "same_text" if same else "different_text"
 
 
 class _DisconnectWatch:

@@ -147,6 +147,12 @@ class FidelitySettings(_Section):
     chunk_tokens: int = Field(128, ge=8, description="tokens per forward slice of a check; the "
                               "worker can yield to serving between slices")
     keep: int = Field(200, ge=1, description="recent checks shown by /v1/fidelity")
+    mirror_rate: float = Field(0.0, ge=0.0, le=1.0, description="with several variants served: "
+                               "share of finished chat requests re-run on a second variant off the "
+                               "client's path and compared (tool called or not, same function, same "
+                               "arguments, JSON valid); the client never sees the second answer; 0: off")
+    mirror_to: str = Field("", description="the variant mirrored to (a quant.variants entry); empty: "
+                           "the next one in the list (the last one mirrors to the first)")
 
 
 class Settings(_Section):

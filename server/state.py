@@ -45,6 +45,7 @@ class ServerState:
     variant: str = ""  # a variant's label, e.g. "uniform-4" (the `variant` of its metrics)
     variants: list["ServerState"] = field(default_factory=list)  # the server's: the default first
     aliases: dict[str, "ServerState"] = field(default_factory=dict)  # the server's: model id -> variant
+    mirror: "ServerState | None" = None  # a variant's: where fidelity.mirror_rate re-runs its requests
 
     @property
     def ready(self) -> bool:

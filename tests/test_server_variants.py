@@ -1,7 +1,8 @@
 """Several quantized variants side by side in one `mixbit serve` process: each picked by `model`
 (`<name>:<variant>`, the bare name is the first), listed with its provenance, answering through its
 own engine, and checked against the one bf16 reference with its own fidelity series in a real
-Prometheus scrape; /v1/fidelity filters by variant; a memory budget refuses what does not fit."""
+Prometheus scrape; /v1/fidelity filters by variant; every request is mirrored to the next variant
+and the two outputs compared; a memory budget refuses what does not fit."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ OSLO = [{"role": "user", "content": "What's the weather in Oslo?"}]
 def served(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     s = ServerProcess(f"quant.variants={json.dumps(VARIANTS)}", "fidelity.sample_rate=1.0",
-                      "fidelity.max_per_minute=1000", recipe=None, cache_dir=str(cache)).wait_ready(600)
+                      "fidelity.max_per_minute=1000", "fidelity.mirror_rate=1.0", recipe=None,
+                      cache_dir=str(cache)).wait_ready(600)
     yield s
     s.stop()
 
@@ -95,6 +97,36 @@ def test_fidelity_is_checked_per_variant_against_one_reference(served, client):
     assert view["enabled"] and view["checks"] and {c["variant"] for c in view["checks"]} == {"uniform-3"}
     assert set(view["variants"]) == set(VARIANTS)
     assert httpx.get(served.url + "/v1/fidelity", params={"variant": "uniform-9"}).status_code == 404
+
+
+def _mirrored(text: str, variant: str, mirror: str, outcome: str | None = None) -> float:
+    return _value(text, "mixbit_mirror_comparisons_total", variant=variant, mirror=mirror,
+                  **({"outcome": outcome} if outcome else {}))
+
+
+def test_mirroring_compares_each_answer_with_the_next_variant(served, client):
+    pairs = list(zip(VARIANTS, VARIANTS[1:] + VARIANTS[:1]))  # uniform-4 -> uniform-3 -> bf16 -> uniform-4
+    before = _metrics(served.url)
+    json_ask = [{"role": "user", "content": "JSON please: name Leo, age 40."}]
+    for variant in VARIANTS:
+        r = client.chat.completions.create(model=f"{NAME}:{variant}", messages=OSLO, tools=WEATHER,
+                                           temperature=0, max_tokens=48)
+        assert r.choices[0].message.tool_calls  # the client sees its own variant's answer only
+        client.chat.completions.create(model=f"{NAME}:{variant}", messages=json_ask, temperature=0,
+                                       max_tokens=48, response_format={"type": "json_object"})
+
+    def compared():
+        t = _metrics(served.url)
+        done = all(_mirrored(t, a, b) - _mirrored(before, a, b) >= 2 for a, b in pairs)
+        return t if done else None
+
+    after = _wait(compared, timeout=120)
+    for a, b in pairs:
+        # every variant calls get_weather({"city": "Oslo"}) here (the test above): the same call
+        assert _mirrored(after, a, b, "same_call") - _mirrored(before, a, b, "same_call") == 1
+        # the mirror decodes under the same grammar: its JSON is valid, equal or not
+        assert _mirrored(after, a, b, "mirror_json_invalid") == 0
+        assert _mirrored(after, a, b, "mirror_error") == 0
 
 
 @NO_PROMETHEUS
