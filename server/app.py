@@ -56,12 +56,14 @@ def served_name(settings: Settings, resolved) -> str:
     return settings.model.served_name or resolved.name
 
 
-def ensure_shared_variant(s: Settings, resolved, progress, group=None):
-    """ensure_variant; in a distributed group rank 0 quantizes first and the others then find
-    the verified entry (same host) or build the identical one (their own host)."""
+def ensure_shared_variant(s: Settings, resolved, progress, group=None, label: str | None = None):
+    """ensure_variant of the variant `label` (default: the first configured); in a distributed
+    group rank 0 quantizes first and the others then find the verified entry (same host) or build
+    the identical one (their own host)."""
+    recipe, bpw = s.quant.spec(label or s.quant.labels()[0])
+
     def ensure():
-        return ensure_variant(resolved, s.quant.recipe, s.model.cache_dir, progress,
-                              target_bpw=s.quant.target_bpw if s.quant.recipe == "mixbit-auto" else None,
+        return ensure_variant(resolved, recipe, s.model.cache_dir, progress, target_bpw=bpw,
                               calibration=s.quant.calibration or None,
                               sensitivity=s.quant.sensitivity,
                               sensitivity_seconds=s.quant.sensitivity_seconds)
@@ -102,50 +104,133 @@ def follow(settings: Settings, group) -> int:
     return 0
 
 
+class StartupRefused(RuntimeError):
+    """Settings that cannot be served as they are (the message says which and why)."""
+
+
+def model_bytes(model) -> int:
+    """Bytes the model's arrays hold (packed weights as packed, dense copies as dense)."""
+    from mlx.utils import tree_flatten
+
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+class MemoryBudget:
+    """server.memory_budget_bytes over the served variants and an in-process bf16 reference."""
+
+    def __init__(self, budget: int, reference_bytes: int):
+        self.budget = budget
+        self.reference_bytes = reference_bytes  # 0: none in process (or it is a served variant)
+        self.held: dict[str, int] = {}
+
+    def check(self, label: str, nbytes: int, estimate: bool) -> None:
+        total = sum(self.held.values()) + nbytes + self.reference_bytes
+        if not self.budget or total <= self.budget:
+            return
+        parts = [f"{k} {v / 1e6:.1f} MB" for k, v in self.held.items()]
+        parts.append(f"{label} {nbytes / 1e6:.1f} MB{' (its files, before loading)' if estimate else ''}")
+        if self.reference_bytes:
+            parts.append(f"the in-process bf16 reference ~{self.reference_bytes / 1e6:.1f} MB")
+        raise StartupRefused(
+            f"the variants do not fit server.memory_budget_bytes={self.budget} "
+            f"({self.budget / 1e6:.1f} MB): {', '.join(parts)} = {total / 1e6:.1f} MB; raise the "
+            "budget, serve fewer variants, or point fidelity.reference at a bf16 instance")
+
+    def add(self, label: str, nbytes: int) -> None:
+        self.check(label, nbytes, estimate=False)
+        self.held[label] = nbytes
+
+
+def _reference_bytes(s: Settings, resolved, labels: list[str]) -> int:
+    """What an in-process bf16 reference will hold, or 0 (checks off, a remote reference, or bf16
+    among the served variants: that variant is the reference)."""
+    f = s.fidelity
+    if not f.enabled or f.reference.strip() != "auto" or "bf16" in labels or resolved.quantized:
+        return 0
+    import mlx.core as mx
+
+    files = _weights_bytes(resolved.path)
+    return 2 * files if mx.default_device() == mx.cpu else files  # bf16 files, float32 on CPU
+
+
+def _variant_ids(s: Settings, resolved, labels: list[str]) -> list[str]:
+    name = served_name(s, resolved)
+    return [name] if len(labels) == 1 else [f"{name}:{label}" for label in labels]
+
+
 def start_loading(state: ServerState) -> threading.Thread:
-    """Resolves and loads the model off the event loop; /ready reports progress meanwhile."""
+    """Resolves, quantizes and loads every variant off the event loop; /ready reports progress."""
     def work():
         s = state.settings
         try:
             state.status, state.detail = "resolving", f"resolving {s.model.source}"
             resolved = resolve(s.model.source, s.model.revision, s.model.hub_cache_dir or None,
                                s.model.allow_download)
-            state.status = "quantizing"
+            labels = s.quant.labels()
+            if len(labels) > 1 and resolved.quantized:
+                raise StartupRefused(f"{s.model.source} is already quantized and is served as it is; "
+                                     "quant.variants needs an unquantized source")
+            if len(labels) > 1 and state.group is not None and state.group.size() > 1:
+                raise StartupRefused("quant.variants serves one variant per engine in one process; "
+                                     "distributed serving takes one variant")
+            budget = MemoryBudget(s.server.memory_budget_bytes, _reference_bytes(s, resolved, labels))
+            grammar = None
+            for label, served_id in zip(labels, _variant_ids(s, resolved, labels)):
+                state.status = "quantizing"
 
-            def update(snap) -> None:
-                state.detail = snap.line()
-                log.info(state.detail)
+                def update(snap) -> None:
+                    state.detail = snap.line()
+                    log.info(state.detail)
 
-            state.startup = Progress(on_update=update)
-            variant = ensure_shared_variant(s, resolved, state.startup, state.group)
-            state.startup = None
-            state.status, state.detail = "loading", f"loading {variant.path}"
-            lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group,
-                      cpu_quantized=s.generation.cpu_quantized)
-            text_cfg = lm.config.get("text_config", lm.config)
-            state.context_length = int(text_cfg.get("max_position_embeddings", 4096))
-            state.served_id = served_name(s, resolved)
-            state.provenance = {**variant.manifest, "model_type": resolved.model_type,
-                                "path": str(variant.path)}
-            grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
-                                    sorted(lm.tokenizer.eos_token_ids))
-            engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
-                            cache_entries=s.server.prefix_cache_entries,
-                            cache_bytes=s.server.prefix_cache_bytes, model_key=state.served_id,
-                            on_token_gap=state.metrics.itl.observe if state.metrics else None,
-                            group=state.group, grammar_engine=grammar)
-            state.grammar = grammar
-            engine.start()
-            if state.metrics is not None:
-                state.metrics.set_variant(state.provenance)
-            state.fidelity = _fidelity_worker(state, resolved, variant, lm)
-            state.lm, state.engine = lm, engine
+                state.startup = Progress(on_update=update)
+                variant = ensure_shared_variant(s, resolved, state.startup, state.group, label)
+                state.startup = None
+                budget.check(label, _weights_bytes(variant.path), estimate=True)
+                state.status, state.detail = "loading", f"loading {variant.path}"
+                lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group,
+                          cpu_quantized=s.generation.cpu_quantized)
+                if state.variants:  # the same source's tokenizer: one copy serves every variant
+                    lm.tokenizer = state.variants[0].lm.tokenizer
+                budget.add(label, model_bytes(lm.model))
+                text_cfg = lm.config.get("text_config", lm.config)
+                if grammar is None:  # one grammar engine (and its compiled-grammar cache) for all
+                    grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
+                                            sorted(lm.tokenizer.eos_token_ids))
+                v = ServerState(settings=s, status="ready", metrics=state.metrics,
+                                responses=state.responses, group=state.group, created=state.created,
+                                served_id=served_id, lm=lm, grammar=grammar,
+                                variant=variant.recipe if resolved.quantized else label,
+                                context_length=int(text_cfg.get("max_position_embeddings", 4096)),
+                                provenance={**variant.manifest, "model_type": resolved.model_type,
+                                            "path": str(variant.path)})
+                itl = state.metrics.itl.labels(v.variant).observe if state.metrics else None
+                v.engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
+                                  cache_entries=s.server.prefix_cache_entries,
+                                  cache_bytes=s.server.prefix_cache_bytes, model_key=served_id,
+                                  on_token_gap=itl, group=state.group, grammar_engine=grammar)
+                v.engine.start()
+                if state.metrics is not None:
+                    state.metrics.set_variant(v.variant, v.provenance)
+                state.variants.append(v)
+                log.info("loaded %s as %r", variant.path, served_id)
+            first = state.variants[0]
+            aliases = {v.served_id: v for v in state.variants}
+            aliases.update({f"{served_name(s, resolved)}:{v.variant}": v for v in state.variants})
+            aliases.setdefault(served_name(s, resolved), first)
+            state.aliases = aliases
+            _wire_mirrors(state)
+            worker = _fidelity_worker(state, resolved)
+            for v in state.variants:
+                v.fidelity = worker
+            state.fidelity = worker
             state.status, state.detail = "ready", ""
-            log.info("ready: serving %s as %r", resolved.path, state.served_id)
-        except ModelSourceError as exc:
+            log.info("ready: serving %s", ", ".join(repr(v.served_id) for v in state.variants))
+        except (ModelSourceError, StartupRefused) as exc:
+            _stop_engines(state)
             state.status, state.detail = "failed", str(exc)
             log.error("cannot serve: %s", exc)
         except Exception as exc:  # noqa: BLE001 - reported on /ready and in the log
+            _stop_engines(state)
             state.status, state.detail = "failed", f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")
 
@@ -154,19 +239,41 @@ def start_loading(state: ServerState) -> threading.Thread:
     return t
 
 
+def _wire_mirrors(state: ServerState) -> None:
+    """fidelity.mirror_rate: each variant's mirror (fidelity.mirror_to, or the next variant)."""
+    f = state.settings.fidelity
+    if not f.mirror_rate:
+        return
+    vs = state.variants
+    if len(vs) < 2:
+        log.warning("fidelity.mirror_rate is set but one variant is served: nothing to mirror to")
+        return
+    labels = [v.variant for v in vs]
+    if f.mirror_to and f.mirror_to not in labels:
+        raise StartupRefused(f"fidelity.mirror_to {f.mirror_to!r} is not served; served: {', '.join(labels)}")
+    for i, v in enumerate(vs):
+        target = next((w for w in vs if w.variant == f.mirror_to), None) if f.mirror_to else None
+        v.mirror = target if target is not None and target is not v else vs[(i + 1) % len(vs)]
+    log.info("mirroring %.0f%% of chat requests: %s", 100 * f.mirror_rate,
+             ", ".join(f"{v.variant} -> {v.mirror.variant}" for v in vs))
+
+
+def _stop_engines(state: ServerState) -> None:
+    for v in state.variants:
+        if v.engine is not None:
+            v.engine.close()
+    state.variants.clear()
+    state.aliases = {}
+
+
 def _weights_bytes(folder) -> int:
     from pathlib import Path
 
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
 
-def _engine_busy(state: ServerState) -> bool:
-    engine = state.engine
-    return engine is not None and (engine.stats.running > 0 or engine.stats.waiting > 0)
-
-
-def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorker | None:
-    """The spot-check worker for what is served, or None when checks are off."""
+def _fidelity_worker(state: ServerState, resolved) -> FidelityWorker | None:
+    """The one spot-check worker for every served variant, or None when checks are off."""
     f = state.settings.fidelity
     if not f.enabled or state.metrics is None:
         return None
@@ -191,9 +298,10 @@ def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorke
         else:
             source = resolve(ref, allow_download=False)
             folder = source.path
-        same = folder is not None and str(folder) == str(variant.path)
-        if same:  # serving bf16: the reference is the served model itself
-            reference = LocalReference(lambda: lm.model, "the served model (unquantized)")
+        served = next((v for v in state.variants
+                       if folder is not None and str(folder) == v.provenance.get("path")), None)
+        if served is not None:  # bf16 is served: that variant is the reference
+            reference = LocalReference(lambda: served.lm.model, f"the served {served.variant} model")
         else:
             dtype = state.settings.generation.compute_dtype
             reference = LocalReference(lambda: load(source, dtype).model,
@@ -203,12 +311,10 @@ def _fidelity_worker(state: ServerState, resolved, variant, lm) -> FidelityWorke
                 disabled = (f"the reference needs about {need} bytes, over "
                             f"fidelity.reference_max_bytes ({f.reference_max_bytes}); point "
                             "fidelity.reference at a bf16 instance instead")
-    name = state.provenance.get("recipe", "served")
-    worker = FidelityWorker(lm.model, reference, state.metrics, str(name),
+    worker = FidelityWorker(reference, state.metrics,
                             sample_rate=f.sample_rate, max_per_minute=f.max_per_minute,
                             queue_size=f.queue_size, max_tokens=f.max_tokens, keep=f.keep,
-                            busy=lambda: _engine_busy(state), busy_share=f.busy_share,
-                            chunk=f.chunk_tokens)
+                            busy=state.busy, busy_share=f.busy_share, chunk=f.chunk_tokens)
     worker.disabled = disabled
     if disabled:
         log.warning("fidelity spot checks disabled: %s", disabled)
@@ -229,10 +335,10 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
         yield
         state.draining = True
         deadline = time.monotonic() + settings.server.shutdown_grace_s
-        while state.inflight and time.monotonic() < deadline:
+        while any(v.inflight for v in state.variants) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if state.engine is not None:
-            state.engine.close()
+        for v in state.variants:
+            v.engine.close()
         if state.fidelity is not None:
             state.fidelity.close()
 
@@ -279,16 +385,24 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
                            code="model_not_ready", headers={"Retry-After": "2"})
         return state
 
-    def check_model(name: str) -> None:
-        if name != state.served_id:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                           f"'{state.served_id}' (see GET /v1/models)", param="model",
-                           code="model_not_found")
+    def pick(name: str | None) -> ServerState:
+        """The served variant a request names (`<name>:<variant>`, or the bare name: the first);
+        none named: the first."""
+        st = ready_state()
+        if name is None:
+            return st.variants[0]
+        found = st.aliases.get(name)
+        if found is None:
+            served = ", ".join(f"'{v.served_id}'" for v in st.variants)
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
+                           "(see GET /v1/models)", param="model", code="model_not_found")
+        return found
 
     @app.get("/health")
     async def health():
-        if state.engine is not None and not state.engine.alive:
-            return JSONResponse({"status": "engine failed"}, status_code=503)
+        failed = [v.served_id for v in state.variants if not v.engine.alive]
+        if failed:
+            return JSONResponse({"status": "engine failed", "models": failed}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -297,29 +411,28 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
                 "uptime_s": round(time.time() - state.started, 1)}
         if state.startup is not None:  # stage, step k of n, ETA of the stage
             body["progress"] = state.startup.snapshot().as_dict()
-        if state.engine is not None:
-            e = state.engine.stats
-            body["engine"] = {"running": e.running, "waiting": e.waiting, "in_flight": state.inflight,
-                              "prefix_cache_bytes": e.prefix_cache_bytes}
+        if state.variants:  # each variant's engine, and their sum
+            engines = {v.served_id: {"running": v.engine.stats.running, "waiting": v.engine.stats.waiting,
+                                     "in_flight": v.inflight,
+                                     "prefix_cache_bytes": v.engine.stats.prefix_cache_bytes}
+                       for v in state.variants}
+            body["engine"] = {k: sum(e[k] for e in engines.values()) for k in next(iter(engines.values()))}
+            body["engines"] = engines
         if state.ready:
             return body
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
     @app.get("/v1/models")
     async def models(authenticated: bool = Depends(auth)) -> ModelList:
-        st = ready_state()
-        return ModelList(data=[_card(st, authenticated)])
+        return ModelList(data=[_card(v, authenticated) for v in ready_state().variants])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, authenticated: bool = Depends(auth)) -> ModelCard:
-        st = ready_state()
-        check_model(model_id)
-        return _card(st, authenticated)
+        return _card(pick(model_id), authenticated)
 
     def admit(req) -> ServerState:
-        """The checks every generation request passes before any work is done."""
-        st = ready_state()
-        check_model(req.model)
+        """The checks every generation request passes before any work is done; the variant."""
+        st = pick(req.model)
         reject_unsupported(req)
         return st
 
@@ -340,17 +453,20 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/fidelity", dependencies=[Depends(auth)])
-    async def fidelity(limit: int = 50):
+    async def fidelity(limit: int = 50, variant: str | None = None):
         st = ready_state()
+        labels = [v.variant for v in st.variants]
+        if variant is not None and variant not in labels:
+            raise APIError(404, f"no served variant '{variant}'; served: {', '.join(labels)}",
+                           param="variant", code="variant_not_found")
         if st.fidelity is None:
-            return {"enabled": False, "checks": []}
-        return {"enabled": True, **st.fidelity.view(max(1, min(limit, 1000)))}
+            return {"enabled": False, "variants": labels, "checks": []}
+        return {"enabled": True, "variants": labels, **st.fidelity.view(max(1, min(limit, 1000)), variant)}
 
     @app.post("/v1/score", dependencies=[Depends(auth)])
     async def score(body: ScoreRequest):
         """Teacher-forced top-k log-probabilities (what a remote fidelity reference answers)."""
-        st = ready_state()
-        check_model(body.model) if body.model else None
+        st = pick(body.model or None)
         if st.group is not None and st.group.size() > 1:
             raise APIError(400, "scoring is not available on a distributed (sharded) server",
                            code="unsupported_in_distributed")
@@ -367,8 +483,7 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
 
     @app.post("/v1/responses", dependencies=[Depends(auth)])
     async def responses(req: ResponsesRequest, request: Request):
-        st = ready_state()
-        check_model(req.model)
+        st = pick(req.model)
         history: list[dict] = []
         if req.previous_response_id:
             found = st.responses.get(req.previous_response_id)
@@ -415,8 +530,7 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
 
     def messages_chat(req: anthropic.CountTokensRequest):
         """A Messages request as the chat request it maps onto, with its thinking budget."""
-        st = ready_state()
-        check_model(req.model)
+        st = pick(req.model)
         think_end = tuple(st.lm.tokenizer.encode("</think>", add_special_tokens=False))
         body, budget = anthropic.chat_body(req, think_end)
         try:

@@ -16,6 +16,7 @@ MIRRORED = {
     "recipe": ("quant", "recipe"), "host": ("server", "host"), "port": ("server", "port"),
     "dtype": ("generation", "compute_dtype"), "seed": ("generation", "seed"),
     "target_bpw": ("quant", "target_bpw"), "calibration": ("quant", "calibration"),
+    "variants": ("quant", "variants"),
 }
 
 
@@ -42,6 +43,8 @@ def _settings(args: argparse.Namespace, flags: tuple[str, ...]):
         value = getattr(args, flag, None)
         if value is not None:
             section, key = MIRRORED[flag]
+            if getattr(SECTIONS[section].model_fields[key].annotation, "__origin__", None) is list:
+                value = [item.strip() for item in value.split(",") if item.strip()]  # a,b,c
             cli.setdefault(section, {})[key] = value
     IGNORED_ENV.clear()
     return load_settings(args.config or default_config_path(), cli, ignored=IGNORED_ENV)
@@ -180,7 +183,8 @@ def cmd_eval(args) -> int:
     return 0
 
 
-SERVE_FLAGS = ("model", "revision", "recipe", "target_bpw", "calibration", "host", "port", "dtype")
+SERVE_FLAGS = ("model", "revision", "recipe", "variants", "target_bpw", "calibration", "host", "port",
+               "dtype")
 QUANT_FLAGS = ("model", "revision", "recipe", "target_bpw", "calibration")
 
 

@@ -44,6 +44,8 @@ class Job:
     request_id: str
     queued_at: float = field(default_factory=time.time)
     grammar: Any = None  # the CompiledGrammar the request decoded under, if any
+    variant: str = ""  # the served variant that generated it (its metrics' label)
+    model: Any = None  # that variant's model, which the check re-scores the tokens with
 
 
 @dataclass
@@ -199,19 +201,18 @@ class RemoteReference:
 
 
 class FidelityWorker:
-    """Runs the checks in a background thread that yields to serving: while the engine has
+    """Runs the checks in a background thread that yields to serving: while an engine has
     sequences to decode (`busy()`), the worker's compute is held to `busy_share` of wall time,
-    in slices of `chunk` tokens; when the engine is idle the checks run at full speed. Checks
-    that cannot keep up wait in the bounded queue, and beyond it are dropped and counted."""
+    in slices of `chunk` tokens; when the engines are idle the checks run at full speed. Checks
+    that cannot keep up wait in the bounded queue, and beyond it are dropped and counted. One
+    worker and one reference serve every variant: a job names its variant and model."""
 
-    def __init__(self, served_model, reference, metrics, variant: str, *, sample_rate: float,
+    def __init__(self, reference, metrics, *, sample_rate: float,
                  max_per_minute: int, queue_size: int, max_tokens: int, keep: int, seed: int = 0,
                  busy: Callable[[], bool] = lambda: False, busy_share: float = 0.02,
                  chunk: int = 128):
-        self.served_model = served_model
         self.reference = reference
         self.metrics = metrics
-        self.variant = variant
         self.sample_rate = sample_rate
         self.max_per_minute = max_per_minute
         self.max_tokens = max_tokens
@@ -248,18 +249,18 @@ class FidelityWorker:
             if self._rng.random() >= self.sample_rate:
                 return False
             if self.disabled:
-                self.metrics.fid_dropped.labels("reference_unavailable").inc()
+                self.metrics.fid_dropped.labels("reference_unavailable", job.variant).inc()
                 return False
             now = time.monotonic()
             while self._window and now - self._window[0] > 60:
                 self._window.popleft()
             if len(self._window) >= self.max_per_minute:
-                self.metrics.fid_dropped.labels("rate_cap").inc()
+                self.metrics.fid_dropped.labels("rate_cap", job.variant).inc()
                 return False
             try:
                 self.queue.put_nowait(job)
             except queue.Full:
-                self.metrics.fid_dropped.labels("queue_full").inc()
+                self.metrics.fid_dropped.labels("queue_full", job.variant).inc()
                 return False
             self._window.append(now)
             return True
@@ -276,7 +277,7 @@ class FidelityWorker:
                     self._check(job)
                 except Exception as exc:  # noqa: BLE001 - a failed check must not stop the worker
                     log.warning("fidelity check failed: %s", exc)
-                    self.metrics.fid_dropped.labels("error").inc()
+                    self.metrics.fid_dropped.labels("error", job.variant).inc()
                 finally:
                     self.checking = False
 
@@ -302,7 +303,7 @@ class FidelityWorker:
         tokens = job.tokens[: self.max_tokens]
         ids = job.prompt + tokens
         start = len(job.prompt)
-        served = chunked_logprobs(self.served_model, ids, start, self.chunk, self._yield)
+        served = chunked_logprobs(job.model, ids, start, self.chunk, self._yield)
         # under a grammar both distributions are compared over what it allowed at each position
         replay = GrammarReplay(job.grammar) if job.grammar is not None else None
 
@@ -319,10 +320,10 @@ class FidelityWorker:
         summary = _summary(kld, ref_top, served_top, tokens)
         self._yield()  # the last slice's rest, before the next check starts
         compute = time.perf_counter() - started - self._paused
-        check = Check(request_id=job.request_id, kind=job.kind, variant=self.variant,
+        check = Check(request_id=job.request_id, kind=job.kind, variant=job.variant,
                       seconds=round(compute, 4), at=time.time(), **summary)
         self.recent.append(check)
-        m, labels = self.metrics, (self.variant, job.kind)
+        m, labels = self.metrics, (job.variant, job.kind)
         m.fid_checks.labels(*labels).inc()
         m.fid_tokens.labels(*labels).inc(check.tokens)
         m.fid_flips.labels(*labels).inc(check.flips)
@@ -332,9 +333,10 @@ class FidelityWorker:
             m.fid_first.labels(*labels).observe(check.first_divergence)
         m.fid_seconds.observe(check.seconds)
 
-    def view(self, limit: int = 50) -> dict:
-        checks = list(self.recent)[-limit:][::-1]
-        return {"variant": self.variant, "reference": self.reference.describe,
+    def view(self, limit: int = 50, variant: str | None = None) -> dict:
+        """The latest `limit` checks (of one variant, if named), newest first, and the settings."""
+        checks = [c for c in self.recent if variant is None or c.variant == variant][-limit:][::-1]
+        return {"reference": self.reference.describe,
                 "sample_rate": self.sample_rate, "max_per_minute": self.max_per_minute,
                 "queue_depth": self.queue.qsize(), "checking": self.checking,
                 "busy_share": self.busy_share, "disabled": self.disabled,

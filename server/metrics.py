@@ -2,7 +2,8 @@
 
 prometheus-client conventions: base units in names (`_seconds`, `_bytes`), `_total` counters,
 histograms for latencies, low-cardinality labels only (endpoint, status class, request kind,
-variant). Gauges that mirror engine state are read at scrape time by a collector, so the hot
+variant: every series of a served model carries its variant, so variants served side by side
+compare on one dashboard). Gauges that mirror engine state are read at scrape time by a collector, so the hot
 path never updates them.
 """
 
@@ -38,22 +39,29 @@ class _EngineCollector:
 
     def collect(self):
         st = self.state
-        engine = st.engine
-        stats = engine.stats if engine is not None else None
         g = GaugeMetricFamily
-        yield g("mixbit_queue_depth", "Sequences waiting for a batch slot",
-                value=stats.waiting if stats else 0)
-        yield g("mixbit_running_sequences", "Sequences in the decode batch",
-                value=stats.running if stats else 0)
-        yield g("mixbit_batch_size", "Sequences in the last decode step",
-                value=stats.last_batch_size if stats else 0)
-        yield g("mixbit_inflight_requests_sequences", "Sequences admitted and not yet finished",
-                value=st.inflight)
-        prompt = stats.prompt_tokens_total + stats.cached_tokens_total if stats else 0
-        yield g("mixbit_prefix_cache_hit_ratio", "Share of prompt tokens served from the prefix cache",
-                value=(stats.cached_tokens_total / prompt) if prompt else 0.0)
-        yield g("mixbit_prefix_cache_bytes", "Bytes held by the prefix cache",
-                value=stats.prefix_cache_bytes if stats else 0)
+        families = {
+            "queue_depth": g("mixbit_queue_depth", "Sequences waiting for a batch slot", labels=["variant"]),
+            "running": g("mixbit_running_sequences", "Sequences in the decode batch", labels=["variant"]),
+            "batch": g("mixbit_batch_size", "Sequences in the last decode step", labels=["variant"]),
+            "inflight": g("mixbit_inflight_requests_sequences", "Sequences admitted and not yet finished",
+                          labels=["variant"]),
+            "hit": g("mixbit_prefix_cache_hit_ratio", "Share of prompt tokens served from the prefix "
+                     "cache", labels=["variant"]),
+            "cache": g("mixbit_prefix_cache_bytes", "Bytes held by the prefix cache", labels=["variant"]),
+        }
+        for v in st.variants:  # one series per served variant, each from its own engine
+            stats = v.engine.stats if v.engine is not None else None
+            prompt = stats.prompt_tokens_total + stats.cached_tokens_total if stats else 0
+            values = {"queue_depth": stats.waiting if stats else 0,
+                      "running": stats.running if stats else 0,
+                      "batch": stats.last_batch_size if stats else 0,
+                      "inflight": v.inflight,
+                      "hit": (stats.cached_tokens_total / prompt) if prompt else 0.0,
+                      "cache": stats.prefix_cache_bytes if stats else 0}
+            for key, fam in families.items():
+                fam.add_metric([v.variant], values[key])
+        yield from families.values()
         yield g("mixbit_memory_bytes", "Resident memory of the server process", value=_rss_bytes())
         try:
             import mlx.core as mx
@@ -86,15 +94,17 @@ class Metrics:
         self.requests = Counter("mixbit_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram("mixbit_time_to_first_token_seconds", "Time from request to first token",
-                              ["endpoint"], buckets=LATENCY, registry=r)
+                              ["endpoint", "variant"], buckets=LATENCY, registry=r)
         self.itl = Histogram("mixbit_inter_token_latency_seconds", "Time between tokens of a sequence",
-                             buckets=ITL, registry=r)
+                             ["variant"], buckets=ITL, registry=r)
         self.e2e = Histogram("mixbit_request_duration_seconds", "Request latency, end to end",
-                             ["endpoint"], buckets=LATENCY, registry=r)
-        self.prompt_tokens = Counter("mixbit_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.cached_tokens = Counter("mixbit_cached_prompt_tokens", "Prompt tokens served from cache",
+                             ["endpoint", "variant"], buckets=LATENCY, registry=r)
+        self.prompt_tokens = Counter("mixbit_prompt_tokens", "Prompt tokens processed", ["variant"],
                                      registry=r)
-        self.generation_tokens = Counter("mixbit_generation_tokens", "Tokens generated", registry=r)
+        self.cached_tokens = Counter("mixbit_cached_prompt_tokens", "Prompt tokens served from cache",
+                                     ["variant"], registry=r)
+        self.generation_tokens = Counter("mixbit_generation_tokens", "Tokens generated", ["variant"],
+                                         registry=r)
         self.grammar_compile = Histogram("mixbit_grammar_compile_seconds",
                                          "Grammar compile time (cache misses)",
                                          buckets=(0.0005, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3),
@@ -104,11 +114,12 @@ class Metrics:
         self.tool_calls = Counter(
             "mixbit_tool_call_outcomes",
             "Tool-call outcomes: parsed, parse_failed, markup_in_content, forced_without_call "
-            "(the last two should stay zero)", ["outcome"], registry=r)
+            "(the last two should stay zero)", ["outcome", "variant"], registry=r)
         self.constrained_invalid = Counter(
             "mixbit_constrained_output_invalid", "Constrained outputs that did not validate "
-            "(should stay zero)", ["kind"], registry=r)
-        self.variant = Info("mixbit_variant", "The served variant and its provenance", registry=r)
+            "(should stay zero)", ["kind", "variant"], registry=r)
+        self.variant = Info("mixbit_variant", "A served variant and its provenance", ["variant"],
+                            registry=r)
         # fidelity spot checks
         self.fid_checks = Counter("mixbit_fidelity_checks", "Finished spot checks",
                                   ["variant", "kind"], registry=r)
@@ -126,13 +137,18 @@ class Metrics:
                                    "First generated position whose top-1 differs (checks that diverge)",
                                    ["variant", "kind"], buckets=POSITION, registry=r)
         self.fid_dropped = Counter("mixbit_fidelity_dropped", "Spot checks not run, by reason",
-                                   ["reason"], registry=r)
+                                   ["reason", "variant"], registry=r)
+        self.mirror = Counter("mixbit_mirror_comparisons", "Requests re-run on a second variant "
+                              "(fidelity.mirror_rate) by how the two outputs compare: same_call, "
+                              "different_arguments, different_function, call_vs_no_call, same_text, "
+                              "different_text, json_valid_different, mirror_json_invalid; dropped_busy, "
+                              "mirror_error", ["variant", "mirror", "outcome"], registry=r)
         self.fid_seconds = Histogram("mixbit_fidelity_check_seconds",
                                      "Compute time of one spot check (rests while serving excluded)",
                                      buckets=LATENCY, registry=r)
         r.register(_EngineCollector(state))
 
-    def set_variant(self, provenance: dict) -> None:
+    def set_variant(self, variant: str, provenance: dict) -> None:
         info = {}
         for k in ("recipe", "bits_per_weight", "bytes", "measured_kld", "measured_top1",
                   "target_bpw", "source", "model_type"):
@@ -144,7 +160,7 @@ class Metrics:
             info["calibration_sha256"] = str(cal["sha256"])[:16]
         if provenance.get("path"):
             info["variant_key"] = os.path.basename(str(provenance["path"]).rstrip("/"))
-        self.variant.info(info)
+        self.variant.labels(variant).info(info)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

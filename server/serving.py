@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -162,12 +163,13 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
         f = c.finish
         if f is None:
             continue
-        m.e2e.labels(plan.endpoint).observe(now - c.started)
+        v = st.variant
+        m.e2e.labels(plan.endpoint, v).observe(now - c.started)
         if c.first_at is not None:
-            m.ttft.labels(plan.endpoint).observe(c.first_at - c.started)
-        m.prompt_tokens.inc(max(f.prompt_tokens - f.cached_tokens, 0))
-        m.cached_tokens.inc(f.cached_tokens)
-        m.generation_tokens.inc(f.completion_tokens)
+            m.ttft.labels(plan.endpoint, v).observe(c.first_at - c.started)
+        m.prompt_tokens.labels(v).inc(max(f.prompt_tokens - f.cached_tokens, 0))
+        m.cached_tokens.labels(v).inc(f.cached_tokens)
+        m.generation_tokens.labels(v).inc(f.completion_tokens)
         kind = "completion"
         if plan.kind == "chat":
             kind = "chat"
@@ -175,20 +177,20 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
             if plan.tools:
                 if calls:
                     kind = "tool_call"
-                    m.tool_calls.labels("parsed").inc(len(calls))
+                    m.tool_calls.labels("parsed", v).inc(len(calls))
                 if c.parse_errors:
-                    m.tool_calls.labels("parse_failed").inc(c.parse_errors)
+                    m.tool_calls.labels("parse_failed", v).inc(c.parse_errors)
                 if "<tool_call>" in c.content or "<function=" in c.content:
-                    m.tool_calls.labels("markup_in_content").inc()
+                    m.tool_calls.labels("markup_in_content", v).inc()
                 if plan.forced_tools and not calls and f.reason == "stop":
-                    m.tool_calls.labels("forced_without_call").inc()
+                    m.tool_calls.labels("forced_without_call", v).inc()
                 if plan.grammar is not None:
                     for call in calls:
                         fn = next((t["function"] for t in plan.tools
                                    if t["function"]["name"] == call.name), {})
                         if (plan.forced_tools or fn.get("strict")) and fn.get("parameters") and \
                                 not _valid(call.arguments, fn["parameters"]):
-                            m.constrained_invalid.labels("tool_arguments").inc()
+                            m.constrained_invalid.labels("tool_arguments", v).inc()
             if plan.json_schema is not None and not calls:
                 kind = "json"
                 if f.reason == "stop":
@@ -197,9 +199,15 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
                     except ValueError:
                         ok = False
                     if not ok:
-                        m.constrained_invalid.labels("json").inc()
+                        m.constrained_invalid.labels("json", v).inc()
         if st.fidelity is not None and f.reason in ("stop", "length"):
-            st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid, grammar=plan.grammar))
+            st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid, grammar=plan.grammar,
+                                  variant=v, model=st.lm.model))
+        if st.mirror is not None and plan.kind == "chat" and f.reason in ("stop", "length") and \
+                random.random() < st.settings.fidelity.mirror_rate:
+            task = asyncio.get_running_loop().create_task(mirror(st, plan, c))
+            _MIRRORS.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(_MIRRORS.discard)
 
 
 def release(st: ServerState, choices: list[_Choice]) -> None:
@@ -207,6 +215,63 @@ def release(st: ServerState, choices: list[_Choice]) -> None:
         if c.finish is None:
             st.engine.cancel(c.seq, "cancelled")
     st.inflight -= len(choices)
+
+
+_MIRRORS: set[asyncio.Task] = set()
+
+
+async def mirror(st: ServerState, plan: Plan, original: _Choice) -> None:
+    """Re-runs a finished chat request on `st.mirror` (same prompt, sampling and grammar), off the
+    client's path, and counts how the two outputs compare. A busy mirror drops it (counted)."""
+    target, m = st.mirror, st.metrics
+    labels = (st.variant, target.variant)
+    if target.engine.stats.waiting:  # mirrored work never queues ahead of real requests
+        m.mirror.labels(*labels, "dropped_busy").inc()
+        return
+    try:
+        (c,) = start_choices(target, plan, 1)
+    except APIError:
+        m.mirror.labels(*labels, "dropped_busy").inc()
+        return
+    try:
+        while c.finish is None:
+            ev = await c.queue.get()
+            c.text += ev.text
+            if isinstance(ev, FinishEvent):
+                c.finish = ev
+        if c.finish.reason not in ("stop", "length"):
+            raise RuntimeError(c.finish.error or c.finish.reason)
+        c.feed(c.text, final=True)
+        outcome = compare_outputs(plan, original, c)
+    except Exception as exc:  # noqa: BLE001 - a failed mirror is counted, never seen by a client
+        log.warning("mirror of a %s request on %s failed: %s", st.variant, target.variant, exc)
+        outcome = "mirror_error"
+    finally:
+        release(target, [c])
+    m.mirror.labels(*labels, outcome).inc()
+
+
+def compare_outputs(plan: Plan, a: _Choice, b: _Choice) -> str:
+    """How the mirror's output `b` compares with the served `a` (what a user of the served variant
+    would notice: a call or none, which function, which arguments, valid JSON, the same text)."""
+    calls_a = a.parser.calls if a.parser else []
+    calls_b = b.parser.calls if b.parser else []
+    if plan.tools and (calls_a or calls_b):
+        if bool(calls_a) != bool(calls_b):
+            return "call_vs_no_call"
+        if [x.name for x in calls_a] != [x.name for x in calls_b]:
+            return "different_function"
+        if [x.arguments for x in calls_a] != [x.arguments for x in calls_b]:
+            return "different_arguments"
+        return "same_call"
+    same = a.content.strip() == b.content.strip()
+    if plan.json_schema is not None:
+        try:
+            valid = _valid(json.loads(b.content), plan.json_schema)
+        except ValueError:
+            valid = False
+        return "mirror_json_invalid" if not valid else "same_text" if same else "json_valid_different"
+    return "same_text" if same else "different_text"
 
 
 class _DisconnectWatch:

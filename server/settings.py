@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class _Section(BaseModel):
@@ -31,6 +31,9 @@ class ModelSettings(_Section):
     hub_cache_dir: str = Field("", description="hub downloads; empty: Hugging Face's default cache")
     allow_download: bool = Field(True, description="fetch hub ids that are not cached yet")
     served_name: str = Field("", description="model id clients use; default: derived from source")
+
+
+RECIPE_NAMES = ("bf16", "uniform-4", "uniform-3", "unsloth-static", "mixbit-auto")
 
 
 class QuantSettings(_Section):
@@ -48,6 +51,43 @@ class QuantSettings(_Section):
         "ablation when it fits sensitivity_seconds, else probe")
     sensitivity_seconds: float = Field(120.0, gt=0, description="time budget of the sensitivity "
                                        "measurement at a first start (auto and probe)")
+    variants: list[str] = Field(default_factory=list, description="serve several variants side by "
+                                "side, e.g. [\"mixbit-auto\", \"uniform-4\", \"bf16\"] (a recipe, "
+                                "or mixbit-auto@BPW), each as <name>:<variant>, the bare <name> being "
+                                "the first; empty: the one `recipe`")
+
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, value: list[str]) -> list[str]:
+        out = []
+        for item in value:
+            label = item.strip()
+            recipe, _, bpw = label.partition("@")
+            if recipe not in RECIPE_NAMES:
+                raise ValueError(f"{label!r} is not a recipe ({', '.join(RECIPE_NAMES)}, or "
+                                 "mixbit-auto@BPW)")
+            if bpw:
+                try:
+                    ok = recipe == "mixbit-auto" and 2.5 <= float(bpw) <= 16.0
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"{label!r}: only mixbit-auto takes @BPW, from 2.5 to 16")
+            if label in out:
+                raise ValueError(f"{label!r} is listed twice")
+            out.append(label)
+        return out
+
+    def labels(self) -> list[str]:
+        """The variants to serve: `variants`, or the one `recipe` (mixbit-auto at target_bpw)."""
+        return list(self.variants) or [self.recipe]
+
+    def spec(self, label: str) -> tuple[str, float | None]:
+        """(recipe, target bits per weight or None) of a variant label."""
+        recipe, _, bpw = label.partition("@")
+        if recipe != "mixbit-auto":
+            return recipe, None
+        return recipe, float(bpw) if bpw else self.target_bpw
 
 
 class ServerSettings(_Section):
@@ -61,6 +101,9 @@ class ServerSettings(_Section):
     max_queue: int = Field(64, ge=0)
     prefix_cache_entries: int = Field(64, ge=0, description="prompt caches kept for prefix reuse")
     prefix_cache_bytes: int = Field(1 << 30, ge=0, description="memory bound of the prefix cache")
+    memory_budget_bytes: int = Field(0, ge=0, description="what the served variants' weights (and "
+                                     "an in-process bf16 reference) may hold together; start-up "
+                                     "refuses variants that do not fit; 0: no limit")
     request_timeout_s: float = Field(600.0, gt=0)
     shutdown_grace_s: float = Field(10.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -104,6 +147,12 @@ class FidelitySettings(_Section):
     chunk_tokens: int = Field(128, ge=8, description="tokens per forward slice of a check; the "
                               "worker can yield to serving between slices")
     keep: int = Field(200, ge=1, description="recent checks shown by /v1/fidelity")
+    mirror_rate: float = Field(0.0, ge=0.0, le=1.0, description="with several variants served: "
+                               "share of finished chat requests re-run on a second variant off the "
+                               "client's path and compared (tool called or not, same function, same "
+                               "arguments, JSON valid); the client never sees the second answer; 0: off")
+    mirror_to: str = Field("", description="the variant mirrored to (a quant.variants entry); empty: "
+                           "the next one in the list (the last one mirrors to the first)")
 
 
 class Settings(_Section):

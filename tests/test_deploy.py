@@ -131,7 +131,8 @@ def _exported_names() -> set[str]:
         names |= {s.name for s in fam.samples}
     for counter in ("mixbit_tool_call_outcomes", "mixbit_constrained_output_invalid", "mixbit_fidelity_checks",
                     "mixbit_fidelity_tokens", "mixbit_fidelity_flips", "mixbit_fidelity_dropped",
-                    "mixbit_grammar_requests"):
+                    "mixbit_grammar_requests", "mixbit_generation_tokens", "mixbit_prompt_tokens",
+                    "mixbit_cached_prompt_tokens"):
         names.add(counter + "_total")
     for hist in ("mixbit_fidelity_kld", "mixbit_fidelity_top1_agreement", "mixbit_fidelity_first_divergence_position",
                  "mixbit_time_to_first_token_seconds", "mixbit_inter_token_latency_seconds",

@@ -15,10 +15,10 @@ from mixbit.server.metrics import Metrics
 
 
 class _State:  # what the metrics' engine collector reads; no engine in these tests
-    engine = None
-    inflight = 0
+    variants: list = []
     ready = False
     fidelity = None
+    startup = None
 
 
 def _ids(loaded, n_prompt=37, n_gen=29):
@@ -41,7 +41,7 @@ def test_chunked_teacher_forcing_equals_one_pass(loaded_tiny):
 
 def _worker(loaded, **kw) -> FidelityWorker:
     ref = LocalReference(lambda: loaded.model, "itself")
-    w = FidelityWorker(loaded.model, ref, Metrics(_State()), "bf16", sample_rate=1.0,
+    w = FidelityWorker(ref, Metrics(_State()), sample_rate=1.0,
                        max_per_minute=1000, queue_size=4, max_tokens=256, keep=10, chunk=16, **kw)
     w.start()
     return w
@@ -65,7 +65,8 @@ def test_model_against_itself_agrees_everywhere(loaded_tiny):
     lp = forward_logprobs(loaded_tiny.model, ids, start)
     top = np.array(mx.argmax(lp, axis=-1))
     tokens = ids[start:]
-    check = _checked(loaded_tiny, Job(kind="chat", prompt=ids[:start], tokens=tokens, request_id="r1"))
+    check = _checked(loaded_tiny, Job(kind="chat", prompt=ids[:start], tokens=tokens, request_id="r1",
+                                         variant="bf16", model=loaded_tiny.model))
     assert check.tokens == len(tokens)
     assert check.kld_mean < 1e-5 and check.top1_agreement == 1.0 and check.first_divergence is None
     # a flip is a generated token that was not the reference's top-1: the text here is not the
@@ -82,7 +83,8 @@ def test_worker_waits_while_serving_is_busy_and_runs_when_idle(loaded_tiny):
     busy.set()
     w = _worker(loaded_tiny, busy=busy.is_set, busy_share=0.0)  # 0: check only while idle
     try:
-        assert w.offer(Job(kind="json", prompt=ids[:start], tokens=ids[start:], request_id="r2"))
+        assert w.offer(Job(kind="json", prompt=ids[:start], tokens=ids[start:], request_id="r2",
+                                 variant="bf16", model=loaded_tiny.model))
         time.sleep(3.0)  # a check takes well under a second here; busy holds it after one slice
         assert not w.recent, "the check ran although serving was busy"
         assert w.queue.qsize() == 0  # taken from the queue, resting between slices
@@ -118,6 +120,7 @@ def test_constrained_output_compared_over_what_the_grammar_allowed(loaded_tiny):
                                                logits_processors=[engine.processor(compiled)])]
     unconstrained = compare(*(2 * [forward_logprobs(loaded_tiny.model, ids + tokens, len(ids))]), tokens)
     assert unconstrained["flips"] > 0, "the prompt should make the grammar force tokens"
-    check = _checked(loaded_tiny, Job(kind="json", prompt=ids, tokens=tokens, request_id="r3", grammar=compiled))
+    check = _checked(loaded_tiny, Job(kind="json", prompt=ids, tokens=tokens, request_id="r3", grammar=compiled,
+                                         variant="bf16", model=loaded_tiny.model))
     assert check.tokens == len(tokens) and check.flips == 0
     assert check.top1_agreement == 1.0 and check.kld_mean < 1e-5

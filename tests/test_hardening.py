@@ -139,7 +139,7 @@ def test_ready_is_503_while_the_engine_cannot_serve(monkeypatch):
         while client.get("/ready").status_code != 200:
             assert time.time() < deadline
             time.sleep(0.1)
-        engine = app.state.mixbit.engine
+        engine = app.state.mixbit.variants[0].engine
         monkeypatch.setattr(engine, "revive", lambda: None)  # hold it dead while we look
 
         def dies(gen):

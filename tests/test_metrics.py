@@ -5,6 +5,7 @@ mixbit instance serving bf16 works as a remote reference; drops are counted, nev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -97,14 +98,16 @@ def test_models_endpoint_and_fidelity_view_carry_provenance(served):
     assert card["mixbit"]["recipe"] == "uniform-4" and card["mixbit"]["measured_kld"] > 0
     assert httpx.get(served.url + "/v1/fidelity").status_code == 401  # behind the key
     view = httpx.get(served.url + "/v1/fidelity?limit=5", headers=auth).json()
-    assert view["enabled"] and view["variant"] == "uniform-4" and len(view["checks"]) == 5
+    assert view["enabled"] and view["variants"] == ["uniform-4"] and len(view["checks"]) == 5
     check = view["checks"][0]
     assert set(check) >= {"kind", "tokens", "kld_mean", "top1_agreement", "flips", "first_divergence"}
     assert check["kld_mean"] >= 0 and 0 <= check["top1_agreement"] <= 1
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary: `make test` installs it")
-def test_real_prometheus_scrapes_and_queries_fidelity(served, tmp_path):
+@contextlib.contextmanager
+def prometheus(tmp_path: Path, target_port: int):
+    """A real Prometheus scraping 127.0.0.1:`target_port` every second with the shipped alert rules;
+    yields (query, api): query(promql) is the result list, or None while it is empty."""
     port = free_port()
     rules = tmp_path / "alerts.yml"
     rules.write_text((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
@@ -114,26 +117,45 @@ global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 rule_files: ["{rules}"]
 scrape_configs:
   - job_name: mixbit
-    static_configs: [{{targets: ["127.0.0.1:{served.port}"]}}]
+    static_configs: [{{targets: ["127.0.0.1:{target_port}"]}}]
 """)
     log = open(tmp_path / "prometheus.log", "w")
     proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
     api = f"http://127.0.0.1:{port}/api/v1"
-    try:
-        def query(q):
-            try:
-                r = httpx.get(api + "/query", params={"query": q}, timeout=5).json()
-            except httpx.HTTPError:
-                return None
-            return r["data"]["result"] if r.get("status") == "success" and r["data"]["result"] else None
 
+    def query(q):
+        try:
+            r = httpx.get(api + "/query", params={"query": q}, timeout=5).json()
+        except (httpx.HTTPError, ValueError):  # not up yet, or a plain-text answer while starting
+            return None
+        return r["data"]["result"] if r.get("status") == "success" and r["data"]["result"] else None
+
+    try:
+        yield query, api
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+NO_PROMETHEUS = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                   reason="no prometheus binary: `make test` installs it")
+
+
+@NO_PROMETHEUS
+def test_real_prometheus_scrapes_and_queries_fidelity(served, tmp_path):
+    with prometheus(tmp_path, served.port) as (query, api):
         up = _wait(lambda: query('up{job="mixbit"} == 1'), timeout=60)
         assert up
         _traffic(served.url, n=2)  # more checks while Prometheus watches
-        result = _wait(lambda: query('sum by (kind) (mixbit_fidelity_checks_total{variant="uniform-4"})'))
-        kinds = {r["metric"]["kind"]: float(r["value"][1]) for r in result}
-        assert kinds.get("tool_call", 0) >= 4 and kinds.get("json", 0) >= 4
+
+        def kinds():  # the checks finish after the answers: wait for the scrape that has them
+            result = query('sum by (kind) (mixbit_fidelity_checks_total{variant="uniform-4"})') or []
+            found = {r["metric"]["kind"]: float(r["value"][1]) for r in result}
+            return found if found.get("tool_call", 0) >= 4 and found.get("json", 0) >= 4 else None
+
+        assert _wait(kinds, timeout=120)
         flips = _wait(lambda: query("sum(mixbit_fidelity_tokens_total) > 0"))
         assert float(flips[0]["value"][1]) > 0
         p95 = _wait(lambda: query('histogram_quantile(0.95, sum by (le) (mixbit_fidelity_kld_bucket))'))
@@ -144,10 +166,6 @@ scrape_configs:
         names = {r["name"] for g in groups for r in g["rules"]}
         assert {"MixbitFidelityKLDHigh", "MixbitToolCallMarkupLeak", "MixbitQueueSaturated"} <= names
         assert all(r["health"] != "err" for g in groups for r in g["rules"])
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 def test_remote_bf16_reference_and_rate_cap(tmp_path):
