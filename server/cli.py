@@ -242,6 +242,9 @@ def cmd_serve(args) -> int:
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log_start(logging.getLogger("mixbit.server"))
+    if settings.server.distributed and len(settings.quant.labels()) > 1:
+        raise SettingsError("quant.variants: distributed serving shards one variant over the ranks; "
+                            "serve several variants from separate (or non-distributed) servers")
     group = None
     if settings.server.distributed:
         import mlx.core as mx

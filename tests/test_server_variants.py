@@ -159,3 +159,10 @@ def test_a_memory_budget_refuses_variants_that_do_not_fit(tmp_path):
         assert r.status_code == 503 and "memory_budget_bytes" in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+def test_distributed_serving_takes_one_variant():
+    from .conftest import run_cli
+
+    r = run_cli("serve", "--distributed", "--variants", "uniform-4,bf16", timeout=60)
+    assert r.returncode == 2 and "quant.variants" in r.stderr and "distributed" in r.stderr
