@@ -160,13 +160,58 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
     return out
 
 
+_BASH = {
+    "description": "Run a command in a persistent bash shell; restart: true starts a new shell.",
+    "input_schema": {"type": "object", "properties": {
+        "command": {"type": "string", "description": "The bash command to run."},
+        "restart": {"type": "boolean", "description": "Restart the shell instead."}}},
+}
+
+
+def _editor(undo: bool) -> dict:
+    commands = ["view", "create", "str_replace", "insert"] + (["undo_edit"] if undo else [])
+    return {
+        "description": "View, create and edit text files: view a file or directory, create a file, "
+                       "replace a unique string, insert text after a line" + (", undo the last edit"
+                                                                             if undo else "") + ".",
+        "input_schema": {"type": "object", "required": ["command", "path"], "properties": {
+            "command": {"type": "string", "enum": commands},
+            "path": {"type": "string", "description": "Absolute path of the file or directory."},
+            "file_text": {"type": "string", "description": "create: the file's content."},
+            "old_str": {"type": "string", "description": "str_replace: the exact text to replace."},
+            "new_str": {"type": "string", "description": "str_replace: the new text; insert: the text."},
+            "insert_line": {"type": "integer", "description": "insert: the line to insert after."},
+            "view_range": {"type": "array", "items": {"type": "integer"},
+                           "description": "view: [first, last] line (last -1: to the end)."}}},
+    }
+
+
+# Anthropic-defined client tools (the client runs them; the API knows their schema), by type:
+# the name Anthropic requires and the schema its clients send inputs in.
+CLIENT_TOOLS = {
+    "bash_20241022": ("bash", _BASH), "bash_20250124": ("bash", _BASH),
+    "text_editor_20241022": ("str_replace_editor", _editor(True)),
+    "text_editor_20250124": ("str_replace_editor", _editor(True)),
+    "text_editor_20250429": ("str_replace_based_edit_tool", _editor(False)),
+    "text_editor_20250728": ("str_replace_based_edit_tool", _editor(False)),
+}
+
+
 def _tools(req: CountTokensRequest) -> list[dict]:
     tools = []
     for i, t in enumerate(req.tools or []):
         kind = t.get("type")
+        if kind in CLIENT_TOOLS:
+            name, spec = CLIENT_TOOLS[kind]
+            if t.get("name") != name:
+                raise _bad(f"tools[{i}].name: a {kind} tool is named {name!r}")
+            tools.append({"type": "function", "function": {"name": name, **{
+                "description": spec["description"], "parameters": spec["input_schema"]}}})
+            continue
         if kind not in (None, "custom"):
-            raise _bad(f"tools[{i}]: tool type {kind!r} is not supported: define the tool with "
-                       "name, description and input_schema")
+            raise _bad(f"tools[{i}]: tool type {kind!r} is not supported (a server tool runs on "
+                       "Anthropic's side); define the tool with name, description and input_schema, "
+                       f"or use a client tool type: {', '.join(CLIENT_TOOLS)}")
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
             raise _bad(f"tools[{i}]: name and input_schema are required")
         fn = {"name": t["name"], "parameters": t["input_schema"]}

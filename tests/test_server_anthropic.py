@@ -303,3 +303,29 @@ def test_agent_soak_plays_through_this_api(server):
     r = messages_soak(server.url, max_rounds=3, api_key=KEY)
     assert (r.rounds, r.broke_at, r.reason, r.played, r.failed) == (3, None, "", 3, 0), r
     assert r.right_calls >= 2 and 500 < r.tokens < 4096, r
+
+
+def test_anthropic_defined_client_tools_get_their_schemas(client):
+    """bash_20250124 and text_editor_* carry no input_schema (Anthropic's API knows it): mixbit
+    fills in the schema their clients send inputs in, so a forced call has the right shape."""
+    ask = [{"role": "user", "content": "List the files in /tmp, then show me /tmp/notes.txt."}]
+    r = client.messages.create(model=MODEL, max_tokens=64, messages=ask, temperature=0,
+                               tools=[{"type": "bash_20250124", "name": "bash"}],
+                               tool_choice={"type": "tool", "name": "bash"})
+    (call,) = [b for b in r.content if b.type == "tool_use"]
+    assert call.name == "bash" and set(call.input) <= {"command", "restart"} and call.input, call.input
+    assert isinstance(call.input.get("command", ""), str) and isinstance(call.input.get("restart", False), bool)
+    r = client.messages.create(model=MODEL, max_tokens=96, messages=ask, temperature=0,
+                               tools=[{"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}],
+                               tool_choice={"type": "any"})
+    (call,) = [b for b in r.content if b.type == "tool_use"]
+    assert call.name == "str_replace_based_edit_tool"
+    assert call.input["command"] in ("view", "create", "str_replace", "insert") and isinstance(call.input["path"], str)
+    with pytest.raises(anthropic.BadRequestError) as err:  # its name is fixed
+        client.messages.create(model=MODEL, max_tokens=8, messages=ask,
+                               tools=[{"type": "bash_20250124", "name": "shell"}])
+    assert "'bash'" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as err:  # a server tool runs on Anthropic's side
+        client.messages.create(model=MODEL, max_tokens=8, messages=ask,
+                               tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    assert "web_search_20250305" in err.value.body["error"]["message"]
