@@ -106,6 +106,12 @@ def messages_soak(url: str, max_rounds: int = 70, seed: int = 77, n_tools: int =
             return ([b["text"] for b in reply["content"] if b["type"] == "text"],
                     [b for b in reply["content"] if b["type"] == "tool_use"])
 
+        def dropped_calls() -> float:
+            """The server's count of tool calls it could not parse (and so did not return)."""
+            text = client.get("/metrics").text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("mixbit_tool_call_outcomes_total") and 'outcome="parse_failed"' in line)
+
         def results(calls: list[dict]) -> list[dict]:
             return [{"type": "tool_result", "tool_use_id": c["id"],
                      "content": script.result(c["name"], c["input"])} for c in calls]
@@ -130,11 +136,14 @@ def messages_soak(url: str, max_rounds: int = 70, seed: int = 77, n_tools: int =
             else:
                 right += script.right(calls[0]["name"], calls[0]["input"])
                 messages.append({"role": "user", "content": results(calls)})
+                before = dropped_calls()
                 texts, calls = ask(64)
                 if calls or any(leaks_markup(t) for t in texts):
                     reason, owed = "tool call instead of an answer", results(calls)
                 elif not "".join(texts).strip():
-                    reason = "empty answer"
+                    # an empty answer is often a call the server could not parse and dropped
+                    reason = ("unparsable tool call instead of an answer" if dropped_calls() > before
+                              else "empty answer")
             if reason:  # counted, and the loop goes on as an agent's user would
                 failed += 1
                 if first is None:
