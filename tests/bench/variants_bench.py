@@ -102,8 +102,9 @@ def main() -> None:
         print(f"\n{args.requests} requests per variant, {args.concurrency} at a time per variant, all three "
               f"variants at once ({wall:.0f} s); every request spot-checked against the one bf16 reference\n")
         print("| variant | bits/weight | tool calls parsed | parse failed | markup in content | invalid "
-              "constrained | checks | mean KLD (nats/token) | top-1 agreement | flips per token | latency p50 (s) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "constrained | checks | tokens checked | mean KLD (nats/token) | top-1 agreement | flips per token | "
+              "latency p50 (s) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for v in VARIANTS:
             m = stats[v]
             checks = m["mixbit_fidelity_checks_total"]
@@ -112,10 +113,10 @@ def main() -> None:
                   f"| {m['mixbit_tool_call_outcomes_total|parse_failed']:.0f} "
                   f"| {m['mixbit_tool_call_outcomes_total|markup_in_content']:.0f} "
                   f"| {sum(x for k, x in m.items() if k.startswith('mixbit_constrained_output_invalid_total')):.0f} "
-                  f"| {checks:.0f} "
-                  f"| {m['mixbit_fidelity_kld_sum'] / max(m['mixbit_fidelity_kld_count'], 1):.4f} "
+                  f"| {checks:.0f} | {m['mixbit_fidelity_tokens_total']:.0f} "
+                  f"| {m['mixbit_fidelity_kld_sum'] / max(m['mixbit_fidelity_kld_count'], 1):.5f} "
                   f"| {m['mixbit_fidelity_top1_agreement_sum'] / max(m['mixbit_fidelity_top1_agreement_count'], 1):.3f} "
-                  f"| {m['mixbit_fidelity_flips_total'] / max(m['mixbit_fidelity_tokens_total'], 1):.3f} "
+                  f"| {m['mixbit_fidelity_flips_total'] / max(m['mixbit_fidelity_tokens_total'], 1):.4f} "
                   f"| {statistics.median(latencies[v]):.2f} |")
 
         probe = [{**b, "model": f"{MODEL}:uniform-3"} for b in base[:args.probes]]
