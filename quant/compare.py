@@ -246,14 +246,14 @@ def to_json(results: list[VariantResult]) -> list[dict]:
 
 
 def main_eval(source: str, specs: list[str], cache_dir: str, out_json: str | None, out_png: str | None,
-              n_tool: int, soak: int = 0) -> str:
+              n_tool: int, soak: int = 0, n_docs: int = 120) -> str:
     def save(partial):
         if out_json:  # whole or not at all: a cut run leaves the rows that finished
             tmp = Path(out_json).with_suffix(".json.tmp")
             tmp.write_text(json.dumps(to_json(partial), indent=1) + "\n")
             os.replace(tmp, out_json)
 
-    results = compare(source, specs, cache_dir, n_tool=n_tool, on_result=save, soak=soak)
+    results = compare(source, specs, cache_dir, n_tool=n_tool, n_docs=n_docs, on_result=save, soak=soak)
     text = table(results)
     save(results)
     if out_png:

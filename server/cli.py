@@ -167,13 +167,13 @@ def cmd_eval(args) -> int:
 
         specs = [v.strip() for v in args.variants.split(",") if v.strip()]
         print(main_eval(settings.model.source, specs, settings.model.cache_dir, args.out, args.plot,
-                        n_tool=args.n_tool, soak=args.soak))
+                        n_tool=args.n_tool, soak=args.soak, n_docs=args.n_docs or 120))
         for f in (args.out, args.plot):
             if f:
                 print(f"wrote {f}")
         return 0
     lm = _load(settings)
-    report = run_model_eval(lm, n_tool=args.n_tool, n_plain=args.n_plain, n_docs=args.n_docs,
+    report = run_model_eval(lm, n_tool=args.n_tool, n_plain=args.n_plain, n_docs=args.n_docs or 300,
                             thinking=args.think)
     print(report["table"])
     if args.out:
@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(p, GEN_FLAGS)
     p.add_argument("--n-tool", type=int, default=120, help="held-out prompts that need a tool")
     p.add_argument("--n-plain", type=int, default=60, help="held-out prompts that need none")
-    p.add_argument("--n-docs", type=int, default=300, help="held-out documents for the loss")
+    p.add_argument("--n-docs", type=int, help="held-out documents for the loss (default 300; "
+                   "120 per variant with --variants)")
     p.add_argument("--think", action="store_true", help="also evaluate with thinking on")
     p.add_argument("--out", help="write the numbers as JSON here")
     p.add_argument("--variants", help="compare quantized variants against bf16, e.g. "

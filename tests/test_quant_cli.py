@@ -45,7 +45,7 @@ def test_eval_variants_with_the_agent_soak_through_the_served_api(tmp_path):
     through /v1/messages with and without the tool grammar; the table and the JSON say where
     each loop broke."""
     out = tmp_path / "soak.json"
-    r = run_cli("eval", "--variants", "uniform-4", "--n-tool", "4", "--soak", "2", "--out", str(out),
+    r = run_cli("eval", "--variants", "uniform-4", "--n-tool", "2", "--n-docs", "8", "--soak", "2", "--out", str(out),
                 "--set", f"model.cache_dir='{tmp_path / 'cache'}'", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["name"]: row for row in json.loads(out.read_text())}
