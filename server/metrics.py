@@ -3,8 +3,8 @@
 prometheus-client conventions: base units in names (`_seconds`, `_bytes`), `_total` counters,
 histograms for latencies, low-cardinality labels only (endpoint, status class, request kind,
 variant: every series of a served model carries its variant, so variants served side by side
-compare on one dashboard). Gauges that mirror engine state are read at scrape time by a collector, so the hot
-path never updates them.
+compare on one dashboard). Gauges that mirror engine state are read at scrape time by a
+collector, so the hot path never updates them.
 """
 
 from __future__ import annotations
@@ -50,15 +50,13 @@ class _EngineCollector:
                      "cache", labels=["variant"]),
             "cache": g("mixbit_prefix_cache_bytes", "Bytes held by the prefix cache", labels=["variant"]),
         }
-        for v in st.variants:  # one series per served variant, each from its own engine
-            stats = v.engine.stats if v.engine is not None else None
-            prompt = stats.prompt_tokens_total + stats.cached_tokens_total if stats else 0
-            values = {"queue_depth": stats.waiting if stats else 0,
-                      "running": stats.running if stats else 0,
-                      "batch": stats.last_batch_size if stats else 0,
-                      "inflight": v.inflight,
+        for v in st.variants:  # one series per served variant (listed once its engine runs)
+            stats = v.engine.stats
+            prompt = stats.prompt_tokens_total + stats.cached_tokens_total
+            values = {"queue_depth": stats.waiting, "running": stats.running,
+                      "batch": stats.last_batch_size, "inflight": v.inflight,
                       "hit": (stats.cached_tokens_total / prompt) if prompt else 0.0,
-                      "cache": stats.prefix_cache_bytes if stats else 0}
+                      "cache": stats.prefix_cache_bytes}
             for key, fam in families.items():
                 fam.add_metric([v.variant], values[key])
         yield from families.values()

@@ -153,6 +153,14 @@ def _valid(value, schema: dict) -> bool:
         return True  # not ours to judge; the grammar compiled it
 
 
+def _valid_json(text: str, schema: dict) -> bool:
+    """Whether `text` parses as JSON that validates against `schema`."""
+    try:
+        return _valid(json.loads(text), schema)
+    except ValueError:
+        return False
+
+
 def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> None:
     """Metrics of finished choices, and their offer to the fidelity worker."""
     m = st.metrics
@@ -193,13 +201,8 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
                             m.constrained_invalid.labels("tool_arguments", v).inc()
             if plan.json_schema is not None and not calls:
                 kind = "json"
-                if f.reason == "stop":
-                    try:
-                        ok = _valid(json.loads(c.content), plan.json_schema)
-                    except ValueError:
-                        ok = False
-                    if not ok:
-                        m.constrained_invalid.labels("json", v).inc()
+                if f.reason == "stop" and not _valid_json(c.content, plan.json_schema):
+                    m.constrained_invalid.labels("json", v).inc()
         if st.fidelity is not None and f.reason in ("stop", "length"):
             st.fidelity.offer(Job(kind, plan.prompt_ids, f.tokens, rid, grammar=plan.grammar,
                                   variant=v, model=st.lm.model))
@@ -266,11 +269,9 @@ def compare_outputs(plan: Plan, a: _Choice, b: _Choice) -> str:
         return "same_call"
     same = a.content.strip() == b.content.strip()
     if plan.json_schema is not None:
-        try:
-            valid = _valid(json.loads(b.content), plan.json_schema)
-        except ValueError:
-            valid = False
-        return "mirror_json_invalid" if not valid else "same_text" if same else "json_valid_different"
+        if not _valid_json(b.content, plan.json_schema):
+            return "mirror_json_invalid"
+        return "same_text" if same else "json_valid_different"
     return "same_text" if same else "different_text"
 
 
