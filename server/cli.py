@@ -146,7 +146,16 @@ def cmd_train_tiny(args) -> int:
         key, _, value = text.partition("=")
         if key not in TrainConfig.__dataclass_fields__:
             raise SettingsError(f"--train {key}: unknown; known: {', '.join(TrainConfig.__dataclass_fields__)}")
-        setattr(cfg, key, type(getattr(cfg, key))(value))
+        current = getattr(cfg, key)
+        if isinstance(current, bool):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise SettingsError(f"--train {key}={value}: true or false")
+            setattr(cfg, key, value.lower() in ("true", "1", "yes", "on"))
+            continue
+        try:
+            setattr(cfg, key, type(current)(value))
+        except ValueError:
+            raise SettingsError(f"--train {key}={value}: not a {type(current).__name__}") from None
     if args.out:
         cfg.out = args.out
     if args.work_dir:
@@ -174,7 +183,7 @@ def cmd_eval(args) -> int:
         return 0
     lm = _load(settings)
     report = run_model_eval(lm, n_tool=args.n_tool, n_plain=args.n_plain, n_docs=args.n_docs or 300,
-                            thinking=args.think)
+                            thinking=args.think, soak_rounds=args.soak or 30)
     print(report["table"])
     if args.out:
         Path(args.out).write_text(json.dumps({k: v for k, v in report.items() if k != "table"},
@@ -317,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak", nargs="?", type=int, const=70, default=0, metavar="ROUNDS",
                    help="with --variants: also serve each variant with `mixbit serve` and run an agent "
                    "loop through its /v1/messages, with and without the tool grammar, until a round "
-                   "leaks tool markup or calls no tool, ROUNDS rounds (default 70) or the context is full")
+                   "leaks tool markup or calls no tool, ROUNDS rounds (default 70) or the context is full; "
+                   "without --variants: the in-process soak's rounds (default 30)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("quantize", help="quantize a model with a recipe (cached, or into --out)")

@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 TOY = ["steps=3", "tokenizer_docs=300", "vocab_size=600", "hidden_size=128", "intermediate_size=256",
        "num_hidden_layers=2", "seq_len=256", "batch_rows=2", "checkpoint_every=1", "warmup_steps=1",
        "num_attention_heads=2", "num_key_value_heads=1", "linear_num_value_heads=2",
-       "linear_num_key_heads=1"]
+       "linear_num_key_heads=1", "compile=false", "precision=fp32"]
 
 
 def test_train_resume_export(tmp_path):
@@ -45,3 +45,28 @@ def test_changed_settings_do_not_resume_silently(tmp_path):
     changed = run_cli(*args, "--train", "lr=0.01")
     assert changed.returncode != 0
     assert "made with other settings" in changed.stderr
+
+
+def test_compiled_bfloat16_training_forward_matches_eager_float32(tmp_path):
+    """What train-tiny runs by default (torch.compile, bfloat16 autocast where the CPU has it)
+    computes the model's logits: the same as the eager float32 forward to bfloat16 rounding."""
+    import torch
+
+    from mixbit.models.training.train import TrainConfig, build_model, ensure_tokenizer, forward_loss
+
+    cfg = TrainConfig(work_dir=str(tmp_path / "work"))
+    for item in TOY:
+        key, _, value = item.partition("=")
+        if key not in ("compile", "precision"):
+            setattr(cfg, key, type(getattr(cfg, key))(value))
+    tok = ensure_tokenizer(cfg, tmp_path / "work")
+    model, _ = build_model(cfg, tok)
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    with torch.no_grad():
+        eager = model(input_ids=x).logits.float()
+    for precision, tol in (("fp32", 1e-4), ("bf16", 0.1)):
+        cfg.precision, cfg.compile = precision, True
+        with torch.no_grad():
+            got = forward_loss(cfg, model)(x)
+        err = (got - eager).abs().max().item() / eager.abs().max().item()
+        assert err < tol, (precision, err)
