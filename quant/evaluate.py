@@ -48,6 +48,8 @@ def generate_batch(lm: LoadedModel, prompts: list[str], max_tokens: int = 96,
     """Greedy completions; `processors` (one list per prompt) e.g. grammar masks."""
     from mlx_lm.generate import BatchGenerator
 
+    from mixbit.models.kernels import prompt_logits_unused
+
     tok = lm.tokenizer
     outputs: list[str] = []
     for i in range(0, len(prompts), batch_size):
@@ -56,7 +58,11 @@ def generate_batch(lm: LoadedModel, prompts: list[str], max_tokens: int = 96,
         procs = processors[i:i + batch_size] if processors else None
         uids = gen.insert(chunk, [max_tokens] * len(chunk), logits_processors=procs)
         tokens: dict[int, list[int]] = {u: [] for u in uids}
-        while responses := gen.next_generated():
+        while True:
+            with prompt_logits_unused():  # as the engine: unread prompt logits stay lazy
+                responses = gen.next_generated()
+            if not responses:
+                break
             for r in responses:
                 if r.finish_reason != "stop":
                     tokens[r.uid].append(r.token)
@@ -104,13 +110,15 @@ def tool_call_eval(lm: LoadedModel, prompts: list[corpus.ToolPrompt], enable_thi
                 ev.failures.append({"prompt": p.messages[-1]["content"], "output": out})
             continue
         ev.n_tool += 1
-        call = parsed.tool_calls[0] if parsed.tool_calls else None
-        formed = (call is not None and not parsed.errors and call.name in offered
-                  and "</tool_call>" in out)
+        # a request that needs several calls is right only when every call is, in order
+        expected = p.expected_all or [p.expected]
+        calls = parsed.tool_calls[:len(expected)] if parsed.tool_calls else []
+        formed = (len(calls) == len(expected) and not parsed.errors and "</tool_call>" in out
+                  and all(c.name in offered for c in calls))
         ev.well_formed += formed
-        right = formed and call.name == p.expected["name"]
+        right = formed and [c.name for c in calls] == [e["name"] for e in expected]
         ev.right_function += right
-        exact = right and args_match(call.arguments, p.expected["arguments"])
+        exact = right and all(args_match(c.arguments, e["arguments"]) for c, e in zip(calls, expected))
         ev.exact_args += exact
         if not exact:
             ev.failures.append({"prompt": p.messages[-1]["content"], "expected": p.expected,

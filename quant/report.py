@@ -10,8 +10,40 @@ from mixbit.models.loading import LoadedModel
 from .evaluate import agent_soak, heldout_loss_by_kind, tool_call_eval
 
 
+def unseen_function_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60) -> dict:
+    """Functions never seen in training (name, description, a parameter name): a call among
+    decoys, two calls in one request, no offered tool fits, a question that needs no tool."""
+    calls = tool_call_eval(lm, corpus.unseen_tool_prompts(n_tool))
+    two = tool_call_eval(lm, corpus.unseen_two_tool_prompts(max(n_tool // 3, 1)), max_tokens=192)
+    no_fit = tool_call_eval(lm, corpus.unseen_no_fit_prompts(n_plain))
+    plain = tool_call_eval(lm, corpus.unseen_plain_prompts(n_plain))
+    return {
+        "calls": {"n": calls.n_tool, **{k: v for k, v in calls.rates().items() if k != "plain_answer"}},
+        "two_calls": {"n": two.n_tool, **{k: v for k, v in two.rates().items() if k != "plain_answer"}},
+        "no_tool_fits": {"n": no_fit.n_plain, "plain_answer": no_fit.rates()["plain_answer"]},
+        "needs_no_tool": {"n": plain.n_plain, "plain_answer": plain.rates()["plain_answer"]},
+        "examples_of_failures": (calls.failures[:4] + no_fit.failures[:2] + plain.failures[:2]),
+    }
+
+
+def unseen_lines(u: dict) -> str:
+    c, t = u["calls"], u["two_calls"]
+    return "\n".join([
+        f"functions never seen in training (name, description, a parameter name; among decoys), "
+        f"{c['n']} prompts:",
+        f"  well-formed call      {c['well_formed']:.1%}",
+        f"  right function        {c['right_function']:.1%}",
+        f"  exact arguments       {c['exact_args']:.1%}",
+        f"two unseen functions in one request ({t['n']} prompts): both right {t['right_function']:.1%}, "
+        f"both exact {t['exact_args']:.1%}",
+        f"plain answer when no offered tool fits (decoys share its words), {u['no_tool_fits']['n']} "
+        f"prompts: {u['no_tool_fits']['plain_answer']:.1%}",
+        f"plain answer to a question that needs no tool, unseen tools offered, "
+        f"{u['needs_no_tool']['n']} prompts: {u['needs_no_tool']['plain_answer']:.1%}"])
+
+
 def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs: int = 300,
-                   thinking: bool = False) -> dict:
+                   thinking: bool = False, soak_rounds: int = 30) -> dict:
     started = time.time()
     losses = heldout_loss_by_kind(lm, corpus.heldout_documents(n_docs))
     pool = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(n_plain))
@@ -20,7 +52,9 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
     novel = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool, phrasing="novel")
                            + corpus.heldout_plain_prompts(n_plain, phrasing="novel"))
     constrained = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool), constrained=True)
-    soak = {mode: agent_soak(lm, constrained=mode == "grammar").__dict__ for mode in ("free", "grammar")}
+    unseen = unseen_function_eval(lm, n_tool, n_plain)
+    soak = {mode: agent_soak(lm, max_rounds=soak_rounds, constrained=mode == "grammar").__dict__
+            for mode in ("free", "grammar")}
     result = {
         "model": lm.resolved.source,
         "heldout_loss": losses,
@@ -34,6 +68,7 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
         "agent_soak": soak,
         "novel_sentences": {"n_tool_prompts": novel.n_tool, "n_plain_prompts": novel.n_plain,
                             **novel.rates()},
+        "unseen_functions": unseen,
         "examples_of_failures": pool.failures[:8],
     }
     if thinking:
@@ -61,12 +96,13 @@ def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs
               f"{constrained.rates()['well_formed']:.1%}, right function "
               f"{constrained.rates()['right_function']:.1%}, exact arguments "
               f"{constrained.rates()['exact_args']:.1%}",
-              "agent soak (4 tools, request -> call -> result -> answer, up to 30 rounds): " + ", ".join(
+              f"agent soak (4 tools, request -> call -> result -> answer, up to {soak_rounds} rounds): " + ", ".join(
                   f"{m}: {s['rounds']} rounds" + (f" (broke: {s['reason']})" if s["broke_at"] else "")
                   + f", {s['right_calls']} exactly right calls" for m, s in soak.items()),
               f"made-up values never seen ({made_up.n_tool} prompts): well-formed "
               f"{made_up.rates()['well_formed']:.1%}, right function "
-              f"{made_up.rates()['right_function']:.1%}, exact arguments {made_up.rates()['exact_args']:.1%}"]
+              f"{made_up.rates()['right_function']:.1%}, exact arguments {made_up.rates()['exact_args']:.1%}",
+              "", unseen_lines(unseen)]
     if thinking:
         t = result["tool_calls_thinking"]
         lines.append(f"with thinking on: well-formed {t['well_formed']:.1%}, right function "

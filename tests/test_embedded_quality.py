@@ -49,3 +49,22 @@ def test_cli_chat_prints_a_tool_call():
     parsed = json.loads(out.stdout)
     assert parsed["tool_calls"] == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
     assert not parsed["errors"] and parsed["content"] == ""
+
+
+def test_eval_reports_functions_never_seen_in_training(loaded_tiny):
+    """`mixbit eval`'s numbers on the generated tool space's held-out functions: calls among
+    decoys, two calls in one request, requests no offered tool fits, questions needing none."""
+    from mixbit.quant.report import run_model_eval
+
+    report = run_model_eval(loaded_tiny, n_tool=6, n_plain=4, n_docs=8, soak_rounds=2)
+    u = report["unseen_functions"]
+    assert u["calls"]["n"] == 6 and u["two_calls"]["n"] == 2
+    assert u["no_tool_fits"]["n"] == 4 and u["needs_no_tool"]["n"] == 4
+    for rate in (u["calls"]["right_function"], u["calls"]["exact_args"],
+                 u["no_tool_fits"]["plain_answer"], u["needs_no_tool"]["plain_answer"]):
+        assert 0.0 <= rate <= 1.0
+    assert u["calls"]["exact_args"] <= u["calls"]["right_function"] <= u["calls"]["well_formed"]
+    table = report["table"]
+    assert "functions never seen in training" in table
+    assert "plain answer when no offered tool fits" in table
+    assert "up to 2 rounds" in table

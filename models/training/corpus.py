@@ -15,15 +15,28 @@ import random
 from dataclasses import dataclass
 
 from . import catalogue as C
+from . import toolspace as T
 
-KINDS = ("tool", "parallel", "no_tool", "chat", "code", "json", "copy")
-# share of each kind after the copy-first warm-up phase
+KINDS = ("tool", "parallel", "gen_tool", "gen_two", "gen_no_fit", "agent", "no_tool",
+         "no_tool_gen", "chat", "code", "json", "copy")
+# The mix the shipped embedded model was trained on: share of each kind after the warm-up phase.
 MIX = {"tool": 0.38, "parallel": 0.05, "no_tool": 0.20, "chat": 0.09, "code": 0.05,
        "json": 0.08, "copy": 0.15}
 # copy-first phase: short documents whose answers copy from the question
 COPY_PHASE_MIX = {"copy": 0.6, "chat": 0.2, "json": 0.2}
 WARMUP_MIX = {"tool": 0.30, "parallel": 0.02, "no_tool": 0.06, "chat": 0.05, "code": 0.02,
               "json": 0.10, "copy": 0.45}
+# With the generated tool space (toolspace.py, issue 15): gen_tool a generated function among
+# decoys, gen_two two functions in one request, gen_no_fit a request no offered tool fits,
+# agent a long loop over one tool set, no_tool_gen a question needing no tool with generated
+# tools offered. The catalogue's kinds stay a part of it.
+TOOLSPACE_MIX = {"tool": 0.17, "parallel": 0.03, "gen_tool": 0.22, "gen_two": 0.04,
+                 "gen_no_fit": 0.08, "agent": 0.05, "no_tool": 0.07, "no_tool_gen": 0.06,
+                 "chat": 0.07, "code": 0.04, "json": 0.07, "copy": 0.10}
+TOOLSPACE_WARMUP_MIX = {"tool": 0.20, "parallel": 0.02, "gen_tool": 0.15, "no_tool": 0.05,
+                        "chat": 0.05, "code": 0.02, "json": 0.08, "copy": 0.43}
+# train-tiny's `mix` setting: (mix, warm-up mix)
+MIXES = {"catalogue": (MIX, WARMUP_MIX), "toolspace": (TOOLSPACE_MIX, TOOLSPACE_WARMUP_MIX)}
 
 
 def _stable_hash(text: str) -> int:
@@ -189,18 +202,48 @@ def tool_episode(rng: random.Random, split: str = "train", think: bool = False,
     while rounds < 4 and rng.random() < 0.45:  # further rounds in the same conversation
         rounds += 1
         fn2 = rng.choice(C.FUNCTIONS)
-        args2 = sample_args(fn2, rng, split, made_up)
         if not any(t["function"]["name"] == fn2.name for t in tools):
             tools.append(fn2.schema())
-        result2 = tool_result(fn2, args2, rng)
-        messages += [
-            {"role": "user", "content": request_text(fn2, args2, rng, split)},
-            {"role": "assistant", "content": "", "tool_calls": [tool_call(fn2, args2)]},
-            {"role": "tool", "content": json.dumps(result2)},
-            {"role": "assistant", "content": fn2.answer.format(
-                **{**args2, **{k: str(v) for k, v in result2.items()}})},
-        ]
+        messages += _round(fn2, rng, split, made_up)
     return {"kind": "tool", "messages": messages, "tools": tools, "enable_thinking": think}
+
+
+def _round(fn: C.Function, rng: random.Random, split: str, made_up: float = 0.2) -> list[dict]:
+    """One round of an agent loop with a catalogue function: request, call, result, answer."""
+    args = sample_args(fn, rng, split, made_up)
+    result = tool_result(fn, args, rng)
+    return [{"role": "user", "content": request_text(fn, args, rng, split)},
+            {"role": "assistant", "content": "", "tool_calls": [tool_call(fn, args)]},
+            {"role": "tool", "content": json.dumps(result)},
+            {"role": "assistant", "content": fn.answer.format(
+                **{**args, **{k: str(v) for k, v in result.items()}})}]
+
+
+def agent_episode(rng: random.Random, split: str = "train") -> dict:
+    """A long agent loop over one tool set (3-5 catalogue or generated functions): 4-18 rounds
+    of request -> call -> result -> answer, now and then a question that needs no tool. What an
+    agent framework sends after a dozen turns; rows of 1,024 tokens never showed past round 8."""
+    messages = _system(rng)
+    rounds = rng.randint(4, 18)
+    if rng.random() < 0.5:
+        functions = rng.sample(C.FUNCTIONS, rng.randint(3, 5))
+        tools = [f.schema() for f in functions]
+        for _ in range(rounds):
+            if rng.random() < 0.15:
+                q, a = _plain_qa(rng, split)
+                messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            else:
+                messages += _round(rng.choice(functions), rng, split)
+        return {"kind": "agent", "messages": messages, "tools": tools, "enable_thinking": False}
+    generated = T.agent_tools(rng, _space(split), rng.randint(3, 5))
+    for _ in range(rounds):
+        if rng.random() < 0.15:
+            q, a = _plain_qa(rng, split)
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        else:
+            messages += T.round_messages(rng.choice(generated), rng)
+    return {"kind": "agent", "messages": messages, "tools": [t.schema() for t in generated],
+            "enable_thinking": False}
 
 
 def parallel_episode(rng: random.Random, split: str = "train", think: bool = False) -> dict:
@@ -302,13 +345,21 @@ def _plain_qa(rng: random.Random, split: str) -> tuple[str, str]:
     return question, answer.format(**fields)
 
 
-def no_tool_episode(rng: random.Random, split: str = "train", think: bool = False) -> dict:
+def _space(split: str) -> str:
+    """The generated tool space's split for a corpus split: held-out data uses unseen functions."""
+    return "train" if split == "train" else "unseen"
+
+
+def no_tool_episode(rng: random.Random, split: str = "train", think: bool = False,
+                    generated: bool = False) -> dict:
+    """A question that needs no tool, with catalogue tools offered (or generated ones)."""
     question, answer = _plain_qa(rng, split)
-    tools = [f.schema() for f in rng.sample(C.FUNCTIONS, rng.randint(2, 4))]
+    tools = (T.random_tools(rng, _space(split)) if generated else
+             [f.schema() for f in rng.sample(C.FUNCTIONS, rng.randint(2, 4))])
     turn = {"role": "assistant", "content": answer}
     if think:
         turn["reasoning_content"] = "No tool is needed for this. I will answer directly."
-    return {"kind": "no_tool", "tools": tools, "enable_thinking": think,
+    return {"kind": "no_tool_gen" if generated else "no_tool", "tools": tools, "enable_thinking": think,
             "messages": _system(rng) + [{"role": "user", "content": question}, turn]}
 
 
@@ -418,8 +469,16 @@ def document(rng: random.Random, mix: dict[str, float], split: str = "train") ->
         return tool_episode(rng, split, think)
     if kind == "parallel":
         return parallel_episode(rng, split, think)
-    if kind == "no_tool":
-        return no_tool_episode(rng, split, think)
+    if kind in ("no_tool", "no_tool_gen"):
+        return no_tool_episode(rng, split, think, generated=kind == "no_tool_gen")
+    if kind == "gen_tool":
+        return T.tool_episode(rng, _space(split), think)
+    if kind == "gen_two":
+        return T.two_tool_episode(rng, _space(split), think)
+    if kind == "gen_no_fit":
+        return T.no_fit_episode(rng, _space(split), think)
+    if kind == "agent":
+        return agent_episode(rng, split)
     if kind == "chat":
         return chat_episode(rng, split, think)
     if kind == "code":
@@ -437,6 +496,8 @@ class ToolPrompt:
     tools: list[dict]
     expected: dict | None  # {"name": ..., "arguments": {...}} or None when no tool is needed
     value_kind: str  # "pool", "made_up" or "none"
+    # a request that needs several calls: every expected call, in order (expected is the first)
+    expected_all: list[dict] | None = None
 
 
 def heldout_tool_prompts(n: int = 120, seed: int = 1234, made_up: bool = False,
@@ -471,7 +532,58 @@ def heldout_plain_prompts(n: int = 60, seed: int = 4321, phrasing: str = "heldou
     return out
 
 
-def heldout_documents(n: int = 300, seed: int = 999) -> list[dict]:
-    """Whole documents (with answers) of every kind, for held-out loss per kind."""
+def heldout_documents(n: int = 300, seed: int = 999, mix: dict[str, float] = MIX) -> list[dict]:
+    """Whole documents (with answers) of every kind of `mix`, for held-out loss per kind."""
     rng = random.Random(seed)
-    return [document(rng, MIX, split="heldout") for _ in range(n)]
+    return [document(rng, mix, split="heldout") for _ in range(n)]
+
+
+def unseen_tool_prompts(n: int = 120, seed: int = 2468) -> list[ToolPrompt]:
+    """Requests for generated functions training never showed (name, description and at least
+    one parameter name held out), offered among decoys that share the verb or the object."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        tool = T._pick(rng, "unseen")
+        values = T.sample_values(tool, rng)
+        others = T._other_tools({tool.name}, "unseen", rng, rng.randint(1, 4), near=(tool.verb, tool.obj))
+        out.append(ToolPrompt(messages=[{"role": "user", "content": T.request_text(tool, values, rng)}],
+                              tools=T._offer([tool], others, rng),
+                              expected={"name": tool.name, "arguments": dict(values)}, value_kind="unseen"))
+    return out
+
+
+def unseen_no_fit_prompts(n: int = 60, seed: int = 1357) -> list[ToolPrompt]:
+    """Requests for an unseen function that is not offered: only decoys sharing its words."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        tool = T._pick(rng, "unseen")
+        values = T.sample_values(tool, rng)
+        others = T._other_tools({tool.name}, "unseen", rng, rng.randint(2, 5), near=(tool.verb, tool.obj))
+        out.append(ToolPrompt(messages=[{"role": "user", "content": T.request_text(tool, values, rng)}],
+                              tools=T._offer([], others, rng), expected=None, value_kind="none"))
+    return out
+
+
+def unseen_plain_prompts(n: int = 60, seed: int = 8642) -> list[ToolPrompt]:
+    """Questions that need no tool (held-out wordings), with unseen generated tools offered."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        question, _answer = _plain_qa(rng, "heldout")
+        out.append(ToolPrompt(messages=[{"role": "user", "content": question}],
+                              tools=T.random_tools(rng, "unseen"), expected=None, value_kind="none"))
+    return out
+
+
+def unseen_two_tool_prompts(n: int = 40, seed: int = 9753) -> list[ToolPrompt]:
+    """One request that needs two different unseen functions."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        doc = T.two_tool_episode(rng, "unseen")
+        calls = [c["function"] for c in doc["messages"][1]["tool_calls"]]
+        out.append(ToolPrompt(messages=doc["messages"][:1], tools=doc["tools"], expected=calls[0],
+                              value_kind="unseen", expected_all=calls))
+    return out
