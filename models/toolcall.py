@@ -32,6 +32,15 @@ class ParsedOutput:
     errors: list[str] = field(default_factory=list)  # malformed calls, kept out of content
 
 
+MARKUP = ("<tool_call>", "</tool_call>", "<function=")
+
+
+def leaks_markup(text: str) -> bool:
+    """Tool-call markup in what should be plain text: the failure of uniformly quantized
+    Qwen3.5 (the server counts it as markup_in_content; the evals and the soak break on it)."""
+    return any(m in text for m in MARKUP)
+
+
 def _schema_of(tools: list[dict] | None, name: str) -> dict:
     for tool in tools or []:
         fn = tool.get("function", tool)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from mixbit.models.training import corpus
 from mixbit.models.loading import LoadedModel, prompt_opens_think, render_chat
-from mixbit.models.toolcall import parse_output, parser_for_template
+from mixbit.models.toolcall import leaks_markup, parse_output, parser_for_template
 
 
 def _same(a, b) -> bool:
@@ -170,14 +170,6 @@ class SoakResult:
     output: str = ""  # what the model returned in the round that broke
     played: int = 0  # rounds played (a soak that goes on after a break; 0: it stopped there)
     failed: int = 0  # of those, rounds that broke
-
-
-MARKUP = ("<tool_call>", "</tool_call>", "<function=")
-
-
-def leaks_markup(text: str) -> bool:
-    """Tool-call markup in what should be plain text: the failure of uniformly quantized Qwen3.5."""
-    return any(m in text for m in MARKUP)
 
 
 class SoakScript:

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from .evaluate import SoakResult, SoakScript, leaks_markup
+from mixbit.models.toolcall import leaks_markup
+
+from .evaluate import SoakResult, SoakScript
 
 MODES = {"free": False, "grammar": True}  # generation.tool_grammar of the served variant
 ROOM = 200  # tokens kept free for a call and its answer; a fuller conversation counts as "context full"

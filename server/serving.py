@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
-from mixbit.models.toolcall import StreamingOutputParser, parser_for_template
+from mixbit.models.toolcall import StreamingOutputParser, leaks_markup, parser_for_template
 
 from . import errors
 from .engine import FinishEvent, TokenEvent, async_emitter
@@ -188,7 +188,7 @@ def account(st: ServerState, plan: Plan, choices: list[_Choice], rid: str) -> No
                     m.tool_calls.labels("parsed", v).inc(len(calls))
                 if c.parse_errors:
                     m.tool_calls.labels("parse_failed", v).inc(c.parse_errors)
-                if "<tool_call>" in c.content or "<function=" in c.content:
+                if leaks_markup(c.content):
                     m.tool_calls.labels("markup_in_content", v).inc()
                 if plan.forced_tools and not calls and f.reason == "stop":
                     m.tool_calls.labels("forced_without_call", v).inc()
