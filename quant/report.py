@@ -45,7 +45,10 @@ def unseen_lines(u: dict) -> str:
 def run_model_eval(lm: LoadedModel, n_tool: int = 120, n_plain: int = 60, n_docs: int = 300,
                    thinking: bool = False, soak_rounds: int = 30) -> dict:
     started = time.time()
-    losses = heldout_loss_by_kind(lm, corpus.heldout_documents(n_docs))
+    # the catalogue kinds' documents as before, then the generated tool space's kinds
+    docs = (corpus.heldout_documents(n_docs)
+            + corpus.heldout_documents(max(n_docs // 3, 1), seed=1999, mix=corpus.GENERATED_MIX))
+    losses = heldout_loss_by_kind(lm, docs)
     pool = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool) + corpus.heldout_plain_prompts(n_plain))
     made_up = tool_call_eval(lm, corpus.heldout_tool_prompts(max(n_tool // 2, 1), made_up=True))
     seen = tool_call_eval(lm, corpus.heldout_tool_prompts(n_tool, phrasing="train"))

@@ -68,3 +68,5 @@ def test_eval_reports_functions_never_seen_in_training(loaded_tiny):
     assert "functions never seen in training" in table
     assert "plain answer when no offered tool fits" in table
     assert "up to 2 rounds" in table
+    generated = set(report["heldout_loss"]) & set(corpus.GENERATED_MIX)
+    assert generated and set(report["heldout_loss"]) - generated  # both kinds of documents

@@ -35,6 +35,8 @@ TOOLSPACE_MIX = {"tool": 0.17, "parallel": 0.03, "gen_tool": 0.22, "gen_two": 0.
                  "chat": 0.07, "code": 0.04, "json": 0.07, "copy": 0.10}
 TOOLSPACE_WARMUP_MIX = {"tool": 0.20, "parallel": 0.02, "gen_tool": 0.15, "no_tool": 0.05,
                         "chat": 0.05, "code": 0.02, "json": 0.08, "copy": 0.43}
+# held-out documents of the generated kinds alone (their loss per kind, beside MIX's kinds)
+GENERATED_MIX = {"gen_tool": 0.4, "gen_two": 0.1, "gen_no_fit": 0.2, "agent": 0.1, "no_tool_gen": 0.2}
 # train-tiny's `mix` setting: (mix, warm-up mix)
 MIXES = {"catalogue": (MIX, WARMUP_MIX), "toolspace": (TOOLSPACE_MIX, TOOLSPACE_WARMUP_MIX)}
 
