@@ -163,6 +163,11 @@ def cmd_train_tiny(args) -> int:
     if args.export_only:
         print(f"wrote {export_from_checkpoint(cfg, Path(args.out) if args.out else None)}")
         return 0
+    if args.throughput:
+        from mixbit.models.training.train import throughput
+
+        throughput(cfg, steps=args.throughput)
+        return 0
     train(cfg, max_minutes=args.max_minutes)
     return 0
 
@@ -308,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, help="stop (resumably) after this long")
     p.add_argument("--train", dest="set_train", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TrainConfig field, e.g. --train steps=200")
+    p.add_argument("--throughput", type=int, nargs="?", const=5, default=0, metavar="STEPS",
+                   help="time STEPS training steps (default 5, after compiling) at these settings "
+                   "and print tokens/s; trains nothing")
     p.add_argument("--export-only", action="store_true",
                    help="write the latest checkpoint of the run as a model folder, do not train")
     p.set_defaults(func=cmd_train_tiny)

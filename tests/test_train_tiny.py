@@ -70,3 +70,15 @@ def test_compiled_bfloat16_training_forward_matches_eager_float32(tmp_path):
             got = forward_loss(cfg, model)(x)
         err = (got - eager).abs().max().item() / eager.abs().max().item()
         assert err < tol, (precision, err)
+
+
+def test_throughput_times_steps_and_trains_nothing(tmp_path):
+    args = ["train-tiny", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"),
+            "--throughput", "2"]
+    for item in TOY:
+        args += ["--train", item]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["tok_per_s"] > 0 and report["precision"] == "fp32" and report["compiled"] is False
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work" / "checkpoint.pt").exists()

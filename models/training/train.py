@@ -369,7 +369,9 @@ def throughput(cfg: TrainConfig, steps: int = 5) -> float:
         times.append(time.time() - t)
     best = sorted(times)[len(times) // 2]
     n = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"params_M": round(n / 1e6, 2), "s_per_step": round(best, 3),
+    print(json.dumps({"params_M": round(n / 1e6, 2), "rows": f"{cfg.batch_rows}x{cfg.seq_len}",
+                      "precision": "bf16" if use_bf16(cfg) else "fp32", "compiled": cfg.compile,
+                      "threads": cfg.threads, "s_per_step": round(best, 3),
                       "tok_per_s": round(cfg.batch_rows * cfg.seq_len / best)}))
     return cfg.batch_rows * cfg.seq_len / best
 
