@@ -540,32 +540,30 @@ def heldout_documents(n: int = 300, seed: int = 999, mix: dict[str, float] = MIX
     return [document(rng, mix, split="heldout") for _ in range(n)]
 
 
-def unseen_tool_prompts(n: int = 120, seed: int = 2468) -> list[ToolPrompt]:
-    """Requests for generated functions training never showed (name, description and at least
-    one parameter name held out), offered among decoys that share the verb or the object."""
+def _unseen_requests(n: int, seed: int, offered: bool) -> list[ToolPrompt]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         tool = T._pick(rng, "unseen")
         values = T.sample_values(tool, rng)
-        others = T._other_tools({tool.name}, "unseen", rng, rng.randint(1, 4), near=(tool.verb, tool.obj))
-        out.append(ToolPrompt(messages=[{"role": "user", "content": T.request_text(tool, values, rng)}],
-                              tools=T._offer([tool], others, rng),
-                              expected={"name": tool.name, "arguments": dict(values)}, value_kind="unseen"))
+        others = T._other_tools({tool.name}, "unseen", rng, rng.randint(1, 4) if offered else rng.randint(2, 5),
+                                near=(tool.verb, tool.obj))
+        messages = [{"role": "user", "content": T.request_text(tool, values, rng)}]
+        out.append(ToolPrompt(messages=messages, tools=T._offer([tool] if offered else [], others, rng),
+                              expected={"name": tool.name, "arguments": dict(values)} if offered else None,
+                              value_kind="unseen" if offered else "none"))
     return out
+
+
+def unseen_tool_prompts(n: int = 120, seed: int = 2468) -> list[ToolPrompt]:
+    """Requests for generated functions training never showed (name, description and at least
+    one parameter name held out), offered among decoys that share the verb or the object."""
+    return _unseen_requests(n, seed, offered=True)
 
 
 def unseen_no_fit_prompts(n: int = 60, seed: int = 1357) -> list[ToolPrompt]:
     """Requests for an unseen function that is not offered: only decoys sharing its words."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        tool = T._pick(rng, "unseen")
-        values = T.sample_values(tool, rng)
-        others = T._other_tools({tool.name}, "unseen", rng, rng.randint(2, 5), near=(tool.verb, tool.obj))
-        out.append(ToolPrompt(messages=[{"role": "user", "content": T.request_text(tool, values, rng)}],
-                              tools=T._offer([], others, rng), expected=None, value_kind="none"))
-    return out
+    return _unseen_requests(n, seed, offered=False)
 
 
 def unseen_plain_prompts(n: int = 60, seed: int = 8642) -> list[ToolPrompt]:
