@@ -53,12 +53,14 @@ class TrainConfig:
     copy_phase_batch_rows: int = 8
     weight_decay: float = 0.1
     threads: int = 1
-    # "fp32"; "bf16": bfloat16 autocast (master weights and AdamW stay float32), 1.7x faster
-    # where the CPU multiplies bfloat16 natively (AVX-512 BF16/AMX), but a 1,800-step pilot with
-    # it never learned to copy arguments (issue 15's notes; the cause is not isolated yet);
+    # "fp32"; "bf16": bfloat16 autocast (master weights and AdamW stay float32), faster where the
+    # CPU multiplies bfloat16 natively (AVX-512 BF16/AMX); opt-in: a 1,800-step toolspace pilot
+    # with it never learned to copy arguments, cause not isolated (issue 15's notes);
     # "auto": bf16 where the CPU has it, else fp32
     precision: str = "fp32"
-    compile: bool = True  # torch.compile: fuses transformers' GatedDeltaNet fallback (~1.6x here)
+    # torch.compile: fuses transformers' GatedDeltaNet fallback (1,092 -> 1,852 tok/s measured with
+    # `train-tiny --throughput 4`, with and without --train compile=false)
+    compile: bool = True
     checkpoint_every: int = 100
     tokenizer_docs: int = 20000
 
