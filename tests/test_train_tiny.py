@@ -16,7 +16,10 @@ TOY = ["steps=3", "tokenizer_docs=300", "vocab_size=600", "hidden_size=128", "in
 
 def test_train_resume_export(tmp_path):
     args = ["train-tiny", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
-    for item in TOY:
+    # the staged curriculum end to end: one step of the catalogue, then the tool space, the
+    # last step on rows twice as long
+    for item in TOY + ["pre_mix=catalogue", "pre_mix_steps=1", "mix=toolspace", "long_steps=1",
+                       "long_seq_len=512"]:
         args += ["--train", item]
     first = run_cli(*args, "--max-minutes", "0")  # stops (resumably) right after its first step
     assert first.returncode == 0, first.stderr[-2000:]
@@ -27,7 +30,7 @@ def test_train_resume_export(tmp_path):
     assert "resuming at step 1" in second.stdout + second.stderr
     out = tmp_path / "out"
     info = json.loads((out / "training.json").read_text())
-    assert info["steps"] == 3
+    assert info["steps"] == 3 and info["train_minutes"] >= 0
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3_5" and config["text_config"]["hidden_size"] == 128
 
@@ -35,6 +38,20 @@ def test_train_resume_export(tmp_path):
 
     model, tok = load(str(out))
     assert isinstance(generate(model, tok, "Hello", max_tokens=4), str)
+
+
+def test_staged_curriculum_schedule():
+    from mixbit.models.training import corpus
+    from mixbit.models.training.train import TrainConfig, phase
+
+    cfg = TrainConfig(steps=100, pre_mix="catalogue", pre_mix_steps=40, mix="toolspace",
+                      warmup_mix_frac=0.1, long_steps=20, long_seq_len=2048)
+    assert phase(cfg, 0) == (corpus.WARMUP_MIX, 1025, 4)
+    assert phase(cfg, 10) == (corpus.MIX, 1025, 4)
+    assert phase(cfg, 40) == (corpus.TOOLSPACE_MIX, 1025, 4)
+    assert phase(cfg, 80) == (corpus.TOOLSPACE_MIX, 2049, 2)  # the same tokens per step
+    with pytest.raises(SystemExit, match="one of"):
+        phase(TrainConfig(pre_mix="nope", pre_mix_steps=5), 0)
 
 
 def test_changed_settings_do_not_resume_silently(tmp_path):

@@ -47,6 +47,15 @@ class TrainConfig:
     cooldown_frac: float = 0.25  # constant LR while copying emerges, linear decay at the end
     warmup_mix_frac: float = 0.2  # copy-heavy curriculum for the first steps
     mix: str = "catalogue"  # corpus.MIXES: "catalogue" (the shipped model), "toolspace" (issue 15)
+    # staged curriculum: the first `pre_mix_steps` draw from corpus.MIXES[pre_mix] (its warm-up
+    # mix first), so a skill that emerges on one mix (copying arguments, on "catalogue") is there
+    # before the harder mix starts
+    pre_mix: str = ""
+    pre_mix_steps: int = 0
+    # the last `long_steps` pack rows of `long_seq_len` tokens (the same tokens per step, fewer
+    # rows), so long agent loops are seen whole and positions past `seq_len` are trained
+    long_seq_len: int = 2048
+    long_steps: int = 0
     # copy-first phase: short rows of copy drills and short chats before anything else
     copy_phase_steps: int = 0
     copy_phase_seq_len: int = 256
@@ -147,11 +156,7 @@ def encode_with_targets(fast_tokenizer, text: str) -> tuple[list[int], list[floa
 def step_batch(cfg: TrainConfig, step: int, tokenizer, fast) -> tuple[list[list[int]], list[list[float]]]:
     """Packed rows for one optimizer step, drawn from a generator seeded by (seed, step)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    main_mix, warmup_mix = mixes(cfg)
-    mix = warmup_mix if step < cfg.warmup_mix_frac * cfg.steps else main_mix
-    width, n_rows = cfg.seq_len + 1, cfg.batch_rows
-    if step < cfg.copy_phase_steps:
-        mix, width, n_rows = corpus.COPY_PHASE_MIX, cfg.copy_phase_seq_len + 1, cfg.copy_phase_batch_rows
+    mix, width, n_rows = phase(cfg, step)
     eot = fast.token_to_id("<|endoftext|>")
 
     def draw() -> tuple[list[int], list[float]]:
@@ -178,10 +183,22 @@ def step_batch(cfg: TrainConfig, step: int, tokenizer, fast) -> tuple[list[list[
     return rows, row_w
 
 
-def mixes(cfg: TrainConfig) -> tuple[dict[str, float], dict[str, float]]:
-    if cfg.mix not in corpus.MIXES:
-        raise SystemExit(f"mix {cfg.mix!r}: one of {', '.join(corpus.MIXES)}")
-    return corpus.MIXES[cfg.mix]
+def phase(cfg: TrainConfig, step: int) -> tuple[dict[str, float], int, int]:
+    """(document mix, row width in tokens + 1, rows) of one step's batch."""
+    if step < cfg.copy_phase_steps:
+        return corpus.COPY_PHASE_MIX, cfg.copy_phase_seq_len + 1, cfg.copy_phase_batch_rows
+    main_mix, warmup_mix = mixes(cfg, cfg.pre_mix if step < cfg.pre_mix_steps else cfg.mix)
+    mix = warmup_mix if step < cfg.warmup_mix_frac * cfg.steps else main_mix
+    if step >= cfg.steps - cfg.long_steps:
+        return mix, cfg.long_seq_len + 1, max(1, cfg.batch_rows * cfg.seq_len // cfg.long_seq_len)
+    return mix, cfg.seq_len + 1, cfg.batch_rows
+
+
+def mixes(cfg: TrainConfig, name: str | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    name = cfg.mix if name is None else name
+    if name not in corpus.MIXES:
+        raise SystemExit(f"mix {name!r}: one of {', '.join(corpus.MIXES)}")
+    return corpus.MIXES[name]
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -280,14 +297,14 @@ def train(cfg: TrainConfig, max_minutes: float | None = None, log=print) -> Path
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     ckpt = work / "checkpoint.pt"
-    step, history = 0, []
+    step, history, spent = 0, [], 0.0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         if state["config"] != asdict(cfg):
             raise SystemExit(f"{ckpt} was made with other settings; remove {work} to start over")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        step, history = state["step"], state["history"]
+        step, history, spent = state["step"], state["history"], state.get("seconds", 0.0)
         log(f"resuming at step {step}")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters, {cfg.steps} steps of "
@@ -298,7 +315,8 @@ def train(cfg: TrainConfig, max_minutes: float | None = None, log=print) -> Path
     def save():
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(),
-                    "step": step, "history": history}, tmp)
+                    "step": step, "history": history,
+                    "seconds": spent + time.time() - started}, tmp)
         os.replace(tmp, ckpt)
 
     started = time.time()
@@ -332,17 +350,19 @@ def train(cfg: TrainConfig, max_minutes: float | None = None, log=print) -> Path
     bar.close()
     save()
     tokens = step * cfg.batch_rows * cfg.seq_len
-    log(f"trained {step} steps, {tokens / 1e6:.1f}M tokens, final loss "
+    seconds = spent + time.time() - started
+    log(f"trained {step} steps, {tokens / 1e6:.1f}M tokens in {seconds / 60:.1f} min, final loss "
         f"{sum(history[-50:]) / max(1, len(history[-50:])):.3f}")
     from .export import export_checkpoint
 
-    out = export_checkpoint(model, tc, tokenizer, Path(cfg.out), _train_info(asdict(cfg), step, history))
+    out = export_checkpoint(model, tc, tokenizer, Path(cfg.out), _train_info(asdict(cfg), step, history, seconds))
     log(f"wrote {out}")
     return out
 
 
-def _train_info(config: dict, step: int, history: list[float]) -> dict:
+def _train_info(config: dict, step: int, history: list[float], seconds: float | None = None) -> dict:
     return {"config": config, "steps": step, "loss_history_every_50": history[::50],
+            **({"train_minutes": round(seconds / 60, 1)} if seconds is not None else {}),
             "final_loss": sum(history[-50:]) / max(1, len(history[-50:]))}
 
 
@@ -396,4 +416,4 @@ def export_from_checkpoint(cfg: TrainConfig, out: Path | None = None) -> Path:
     model, tc = build_model(saved, tokenizer)
     model.load_state_dict(state["model"])
     return export_checkpoint(model, tc, tokenizer, Path(out or saved.out),
-                             _train_info(state["config"], state["step"], state["history"]))
+                             _train_info(state["config"], state["step"], state["history"], state.get("seconds")))
