@@ -21,7 +21,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache, _BaseCache
 
 from ..models.kernels import prompt_logits_unused
 
@@ -174,6 +174,32 @@ def _guarded(seq: _Sequence, fn, fallback):
                 seq.failure = f"{type(exc).__name__}: {exc}"
             return fallback(*args)
     return call
+
+
+def own_buffers(obj):
+    """A cache extracted from a batch (mlx-lm's `extract`) holds slices of the batch's arrays,
+    and an MLX slice keeps its whole parent buffer alive: a GatedDeltaNet state kept for prefix
+    reuse held all 8 rows of its batch (the 0.8B shape: ~150 MB per entry where ~19 MB is
+    counted, so the prefix cache's byte bound was exceeded 8x). Every array is copied into its
+    own buffer, in place on the cache objects; returns `obj`."""
+    arrays = []
+
+    def walk(o):
+        if isinstance(o, mx.array):
+            arrays.append(mx.contiguous(o))
+            return arrays[-1]
+        if isinstance(o, list):
+            return [walk(v) for v in o]
+        if isinstance(o, tuple):
+            return tuple(walk(v) for v in o)
+        if isinstance(o, _BaseCache):
+            for k, v in vars(o).items():
+                setattr(o, k, walk(v))
+        return o
+
+    walk(obj)
+    mx.eval(arrays)  # the copies exist now; the batch's buffers are no longer referenced
+    return obj
 
 
 class Engine:
@@ -447,7 +473,7 @@ class Engine:
                 and r.uid in self._active]
         for uid, (cache, tokens) in gen.extract_cache(ends).items():
             kind = self._active[uid].checkpoints.get(len(tokens), "user")
-            self.prompt_cache.insert_cache(self.model_key, list(tokens), cache, cache_type=kind)
+            self.prompt_cache.insert_cache(self.model_key, list(tokens), own_buffers(cache), cache_type=kind)
         self.stats.last_batch_size = len(responses)
         now = time.monotonic()
         failed = [seq for seq in self._active.values() if seq.failure is not None]
@@ -489,7 +515,7 @@ class Engine:
             if r.finish_reason is not None:
                 if r.prompt_cache is not None:
                     self.prompt_cache.insert_cache(self.model_key, list(r.all_tokens),
-                                                   r.prompt_cache, cache_type="assistant")
+                                                   own_buffers(r.prompt_cache), cache_type="assistant")
                 self._finish(seq, r.finish_reason)
             elif hit:
                 to_remove.append(seq)

@@ -260,3 +260,35 @@ def test_parallel_tool_calls_false_returns_one_call(client):
 def test_cors_is_off_by_default(server):
     r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://app.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def _gauge(text: str, name: str) -> float:
+    import re
+
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_prefix_cache_holds_no_more_memory_than_it_counts():
+    """Caches kept for prefix reuse are extracted from a batch; an MLX slice keeps its whole
+    parent buffer alive, so each kept entry held every row of its batch (8x the bytes the cache
+    counted and bounded). After 8 requests batched together, what MLX holds beyond the weights is
+    what the prefix cache says it holds."""
+    s = ServerProcess().wait_ready()
+    try:
+        before = httpx.get(s.url + "/metrics").text
+        questions = [f"Name a colour that rhymes with {w}." for w in
+                     ("bed", "blue", "bean", "sack", "pink", "fray", "sight", "sold")]
+
+        async def main():
+            aclient = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+            return await asyncio.gather(*(aclient.chat.completions.create(
+                model=MODEL, messages=ask(q), temperature=0, max_tokens=6) for q in questions))
+
+        asyncio.run(main())
+        after = httpx.get(s.url + "/metrics").text
+    finally:
+        s.stop()
+    held = _gauge(after, "mixbit_mlx_active_memory_bytes") - _gauge(before, "mixbit_mlx_active_memory_bytes")
+    counted = _gauge(after, "mixbit_prefix_cache_bytes") - _gauge(before, "mixbit_prefix_cache_bytes")
+    assert counted > 0
+    assert held <= 1.25 * counted + (256 << 10), (held, counted)
