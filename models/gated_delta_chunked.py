@@ -147,6 +147,28 @@ def install() -> None:
         current = module.gated_delta_update
         if getattr(current, "__wrapped__", None) is None:
             module.gated_delta_update = _patched_update(current)
+        for attr in dir(module):
+            cls = getattr(module, attr)
+            if isinstance(cls, type) and attr.endswith("GatedDeltaNet") \
+                    and getattr(cls.__call__, "__wrapped__", None) is None:
+                cls.__call__ = _state_evaluated(cls.__call__)
+
+
+def _state_evaluated(original):
+    """A prompt's GatedDeltaNet layer evaluates what it leaves in the cache before the next
+    layer runs. Nothing reads the cache until the whole forward pass is done, so lazily it kept
+    every layer's conv input (the conv state is a copy of its last rows) and chunk intermediates
+    (the new state) alive at once: an 8x300-token prefill at the 0.8B shape held ~65 MB more per
+    layer, 2.17 GB above the weights at its peak. One synchronisation per layer and prompt."""
+    def __call__(self, inputs, mask=None, cache=None):
+        out = original(self, inputs, mask, cache)
+        if cache is not None and inputs.shape[1] >= MIN_TOKENS \
+                and not (mx.default_device() == mx.gpu and mx.metal.is_available()):
+            mx.eval([c for c in getattr(cache, "cache", ()) if c is not None])
+        return out
+
+    __call__.__wrapped__ = original
+    return __call__
 
 
 @contextlib.contextmanager
