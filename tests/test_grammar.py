@@ -134,3 +134,50 @@ def test_compiled_grammars_are_cached(grammar):
     first = grammar.compile(g)
     hits = grammar.hits
     assert grammar.compile(g) is first and grammar.hits == hits + 1
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) << 10
+
+
+@pytest.mark.parametrize("vocabulary", ["embedded", "qwen3.5"])
+def test_grammar_engine_shares_the_models_tokenizer(loaded_tiny, vocabulary):
+    """llguidance's tokenizer is built over the model's own tokenizer (token bytes and a tokenize
+    callback), not over a second parsed copy of it: every token's bytes and special flag, and
+    the tokenization of text, are what llguidance's own Hugging Face path gives, for a fraction
+    of the memory (Qwen3.5's 248,320-token vocabulary: a second copy is +320 MB)."""
+    import gc
+    import sys
+
+    import llguidance.hf
+
+    from mixbit.models.grammar import _byte_level, _shared_tokenizer
+
+    if vocabulary == "embedded":
+        hf = loaded_tiny.tokenizer._tokenizer
+        n = loaded_tiny.config.get("text_config", loaded_tiny.config)["vocab_size"]
+    else:
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "bench"))
+        from qwen_vocab import VOCAB_SIZE, build
+
+        hf, n = build(), VOCAB_SIZE
+    eos = [hf.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    assert _byte_level(hf)
+    gc.collect()
+    before = _rss()
+    shared = _shared_tokenizer(hf, n, eos)
+    gc.collect()
+    grown = _rss() - before
+    ref = llguidance.hf.from_tokenizer(hf, n_vocab=n, eos_token=eos)
+    gc.collect()
+    ref_grown = _rss() - before - grown
+    differ = [i for i in range(n) if shared.decode_bytes([i]) != ref.decode_bytes([i])
+              or shared.is_special_token(i) != ref.is_special_token(i)]
+    assert not differ, [(ref.dbg_tokens([i]), shared.dbg_tokens([i])) for i in differ[:5]]
+    for text in ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+                 "naïve café 東京 🙂", "<|im_end|>x</think>", "  spaces\t\ttabs\n\n"]:
+        assert shared.tokenize_str(text) == ref.tokenize_str(text)
+        assert shared.tokenize_bytes(text.encode()[:11]) == ref.tokenize_bytes(text.encode()[:11])
+    if vocabulary == "qwen3.5":
+        assert grown < ref_grown / 3, (grown, ref_grown)
