@@ -135,6 +135,19 @@ def _return_large_frees() -> None:
         pass
 
 
+def release_free_memory() -> None:
+    """Gives the C heap's free pages back to the system (glibc's malloc_trim). Loading leaves
+    hundreds of MB free but resident in small-allocation heaps: parsing Qwen3.5's 33 MB
+    tokenizer.json alone leaves ~190 MB (a tokenizer resident at 280 MB, 91 MB after), ~260 MB
+    with transformers' wrapper. Called once the server is loaded. Harmless elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def ensure_fast_blas() -> BlasChoice:
     """Loads the best BLAS before MLX (idempotent). Call before the first `import mlx.core`."""
     global _CHOICE

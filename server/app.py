@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from mixbit.models.blas import release_free_memory
 from mixbit.models.grammar import GrammarEngine
 from mixbit.models.loading import load
 from mixbit.models.registry import ModelSourceError, resolve
@@ -223,6 +224,7 @@ def start_loading(state: ServerState) -> threading.Thread:
             for v in state.variants:
                 v.fidelity = worker
             state.fidelity = worker
+            release_free_memory()  # what loading freed, back to the system before serving
             state.status, state.detail = "ready", ""
             log.info("ready: serving %s", ", ".join(repr(v.served_id) for v in state.variants))
         except (ModelSourceError, StartupRefused) as exc:
