@@ -1,6 +1,7 @@
 """Where a served variant's memory goes, at a real Qwen3.5 shape: resident memory (RSS), MLX's
 live arrays, MLX's buffer cache and the prefix cache, read from the server's own /metrics every
-0.2 s: when ready, at the peak of a c=1 load, at the peak of a c=8 load and after it.
+0.2 s: when ready, at the peak of a c=1 load, at the peak of a c=8 load and after it; and the
+peak resident memory of loading (the process's VmHWM when it turns ready).
 
     .venv/bin/python tests/bench/serve_memory.py [--shape 0.8b] [--recipe mixbit-auto]
 
@@ -75,6 +76,14 @@ class Poller:
         self._t.join()
 
 
+def _hwm(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="0.8b")
@@ -100,8 +109,10 @@ def main(argv=None) -> int:
         server.wait("/ready", timeout=3600)
         ready_s = time.time() - started
         mid = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        load_peak = _hwm(server.proc.pid)  # the process's peak resident memory so far: loading
         poll = Poller(server.url)
-        rows.append(("ready", *poll.mark(), f"{ready_s:.0f} s to ready"))
+        rows.append(("ready", *poll.mark(), f"{ready_s:.0f} s to ready; loading peaked at "
+                                            f"{load_peak / 1e6:,.0f} MB resident"))
         c1 = asyncio.run(load_test(server.url, mid, make_prompts(tok, 2, 300, seed=1), 1, args.max_tokens, bias))
         rows.append(("c=1 load", *poll.mark(), f"{c1['decode_tok_s']:.2f} decode tok/s"))
         c8 = asyncio.run(load_test(server.url, mid, make_prompts(tok, 8, 300, seed=8), 8, args.max_tokens, bias))
