@@ -81,6 +81,17 @@ def gguf(src: Path, folder: Path, shape: str, kind: str) -> Path:
     return out
 
 
+def shape_checkpoint(shape: str):
+    """(folder, tokenizer, logit_bias forbidding end-of-text) of a real-shape checkpoint."""
+    from tokenizers import Tokenizer
+
+    folder = checkpoint(shape)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bias = {str(tok.token_to_id(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")
+            if tok.token_to_id(t) is not None}
+    return folder, tok, bias
+
+
 def make_prompts(tokenizer, n: int, tokens: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     words = ["agent", "tool", "weather", "file", "read", "write", "python", "function", "call", "result",
@@ -161,12 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
 
-    from tokenizers import Tokenizer
-
-    folder = checkpoint(args.shape)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    bias = {str(tok.token_to_id(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")
-            if tok.token_to_id(t) is not None}
+    folder, tok, bias = shape_checkpoint(args.shape)
     prompts_c1 = make_prompts(tok, args.requests, args.prompt_tokens, seed=1)
     prompts_c8 = make_prompts(tok, 8, args.prompt_tokens, seed=8)
     env_quiet = ["--set", "server.log_level='warning'", "--set", "fidelity.sample_rate=0.0",

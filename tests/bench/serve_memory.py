@@ -24,9 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.bench.kernel_serve_bench import CACHE, make_prompts  # noqa: E402
+from tests.bench.kernel_serve_bench import CACHE, make_prompts, shape_checkpoint  # noqa: E402
 from tests.bench.serve_bench import Server, free_port, load_test  # noqa: E402
-from tests.bench.sizes_bench import checkpoint  # noqa: E402
 
 GAUGES = {"rss": "mixbit_memory_bytes", "mlx active": "mixbit_mlx_active_memory_bytes",
           "mlx cache": "mixbit_mlx_cache_memory_bytes", "prefix cache": "mixbit_prefix_cache_bytes"}
@@ -92,12 +91,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import httpx
-    from tokenizers import Tokenizer
 
-    folder = checkpoint(args.shape)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    bias = {str(tok.token_to_id(t)): -100 for t in ("<|im_end|>", "<|endoftext|>")
-            if tok.token_to_id(t) is not None}
+    folder, tok, bias = shape_checkpoint(args.shape)
     port = free_port()
     server = Server(f"mixbit-{args.recipe}", [
         sys.executable, "-m", "mixbit.server.cli", "serve", "--model", str(folder), "--recipe", args.recipe,
