@@ -19,7 +19,7 @@ def test_train_resume_export(tmp_path):
     # the staged curriculum end to end: one step of the catalogue, then the tool space, the
     # last step on rows twice as long
     for item in TOY + ["pre_mix=catalogue", "pre_mix_steps=1", "mix=toolspace", "long_steps=1",
-                       "long_seq_len=512"]:
+                       "long_seq_len=512", "tokenizer_mix=catalogue"]:
         args += ["--train", item]
     first = run_cli(*args, "--max-minutes", "0")  # stops (resumably) right after its first step
     assert first.returncode == 0, first.stderr[-2000:]

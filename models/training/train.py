@@ -56,6 +56,9 @@ class TrainConfig:
     # rows), so long agent loops are seen whole and positions past `seq_len` are trained
     long_seq_len: int = 2048
     long_steps: int = 0
+    # the corpus.MIXES entry the tokenizer is trained on ("": `mix`); with a staged curriculum,
+    # "catalogue" tokenizes the pre-phase's documents as the shipped model's tokenizer does
+    tokenizer_mix: str = ""
     # copy-first phase: short rows of copy drills and short chats before anything else
     copy_phase_steps: int = 0
     copy_phase_seq_len: int = 256
@@ -221,7 +224,8 @@ def ensure_tokenizer(cfg: TrainConfig, work: Path):
         from transformers import PreTrainedTokenizerFast
 
         rng = random.Random(cfg.seed + 77)
-        docs = [corpus.document(rng, mixes(cfg)[0]) for _ in range(cfg.tokenizer_docs)]
+        mix = mixes(cfg, cfg.tokenizer_mix or cfg.mix)[0]
+        docs = [corpus.document(rng, mix) for _ in range(cfg.tokenizer_docs)]
         template = (Path(__file__).parents[1] / "chat_template.jinja").read_text()
         # render with a throwaway byte-level tokenizer: the template needs a tokenizer object
         from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
