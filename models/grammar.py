@@ -198,8 +198,8 @@ def _shared_tokenizer(hf_tokenizer, vocab_size: int, eos_ids: list[int]):
     """llguidance's tokenizer over the model's own tokenizer instead of a second copy of it.
 
     `llguidance.hf.from_tokenizer` serialises the tokenizer and parses it again inside
-    llguidance: a second full Hugging Face tokenizer, +320 MB of resident memory at Qwen3.5's
-    248,320-token vocabulary (more than half of a 4-bit 0.8B variant's bytes). llguidance only
+    llguidance: a second full Hugging Face tokenizer, +431 MB of resident memory at Qwen3.5's
+    248,320-token vocabulary (as much as the 0.8B shape's 4-bit variant, 439 MB). llguidance only
     needs each token's bytes (for its token trie and masks) and a way to tokenize text (grammar
     literals): the bytes here, the tokenizer we already hold for the rest, about +50 MB. Added
     tokens carry llguidance's special-token marker (0xFF), ids with no token are reserved

@@ -66,8 +66,8 @@ class _EngineCollector:
 
             yield g("mixbit_mlx_active_memory_bytes", "Memory MLX holds for arrays",
                     value=mx.get_active_memory())
-            yield g("mixbit_mlx_cache_memory_bytes", "Freed buffers MLX keeps for reuse "
-                    "(generation.mlx_cache_limit bounds them)", value=mx.get_cache_memory())
+            yield g("mixbit_mlx_cache_memory_bytes", "Freed buffers MLX keeps for reuse",
+                    value=mx.get_cache_memory())
         except Exception:  # noqa: BLE001 - a backend without memory stats
             pass
         yield g("mixbit_ready", "1 when the model is loaded and serving", value=1 if st.ready else 0)

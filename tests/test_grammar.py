@@ -146,7 +146,7 @@ def test_grammar_engine_shares_the_models_tokenizer(loaded_tiny, vocabulary):
     """llguidance's tokenizer is built over the model's own tokenizer (token bytes and a tokenize
     callback), not over a second parsed copy of it: every token's bytes and special flag, and
     the tokenization of text, are what llguidance's own Hugging Face path gives, for a fraction
-    of the memory (Qwen3.5's 248,320-token vocabulary: a second copy is +320 MB)."""
+    of the memory (Qwen3.5's 248,320-token vocabulary: a second copy is +431 MB)."""
     import gc
     import sys
 
