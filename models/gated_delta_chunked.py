@@ -91,6 +91,11 @@ def chunked_gated_delta(q, k, v, g, beta, state, mask=None, chunk: int = CHUNK):
     return y.transpose(0, 2, 1, 3).astype(out_dtype), s
 
 
+def _on_metal() -> bool:
+    """mlx-lm has its own Metal kernel for the recurrence: nothing here applies."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
 def _step_kernel():
     from . import kernels
 
@@ -102,7 +107,7 @@ def _patched_update(original):
 
     def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                            use_kernel=True, lower_bound=None, allow_neg_eigval=False):
-        metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+        metal = _on_metal()
         if not metal and q.shape[1] == 1 and mask is None and a.ndim == 3 and use_kernel \
                 and _step_kernel() is not None:
             # a decode step on CPU: one pass over the state (models/kernels)
@@ -163,7 +168,7 @@ def _state_evaluated(original):
     def __call__(self, inputs, mask=None, cache=None):
         out = original(self, inputs, mask, cache)
         if cache is not None and inputs.shape[1] >= MIN_TOKENS \
-                and not (mx.default_device() == mx.gpu and mx.metal.is_available()):
+                and not _on_metal():
             mx.eval([c for c in getattr(cache, "cache", ()) if c is not None])
         return out
 

@@ -14,6 +14,17 @@ import httpx
 from .conftest import ROOT
 
 
+def metric_value(text: str, name: str, **labels) -> float:
+    """The sum of a metric's samples in Prometheus text (over the label sets matching `labels`)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            head = line.split(" ")[0]
+            if head == name or head.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

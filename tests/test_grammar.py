@@ -136,11 +136,6 @@ def test_compiled_grammars_are_cached(grammar):
     assert grammar.compile(g) is first and grammar.hits == hits + 1
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return int(f.read().split("VmRSS:")[1].split()[0]) << 10
-
-
 @pytest.mark.parametrize("vocabulary", ["embedded", "qwen3.5"])
 def test_grammar_engine_shares_the_models_tokenizer(loaded_tiny, vocabulary):
     """llguidance's tokenizer is built over the model's own tokenizer (token bytes and a tokenize
@@ -153,6 +148,7 @@ def test_grammar_engine_shares_the_models_tokenizer(loaded_tiny, vocabulary):
     import llguidance.hf
 
     from mixbit.models.grammar import _byte_level, _shared_tokenizer
+    from mixbit.server.metrics import _rss_bytes as _rss
 
     if vocabulary == "embedded":
         hf = loaded_tiny.tokenizer._tokenizer

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from .conftest import ROOT
-from .server_proc import ServerProcess, free_port
+from .server_proc import ServerProcess, free_port, metric_value
 
 MODEL = "tiny-qwen3.5"
 WEATHER = json.loads((ROOT / "examples" / "weather.json").read_text())
@@ -59,37 +59,27 @@ def _metrics(url: str) -> str:
     return r.text
 
 
-def _value(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            head = line.split(" ")[0]
-            if head == name or head.startswith(name + "{"):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_serving_tool_and_variant_metrics(served):
     def enough():
         t = _metrics(served.url)
-        return t if _value(t, "mixbit_fidelity_checks_total") >= 8 else None
+        return t if metric_value(t, "mixbit_fidelity_checks_total") >= 8 else None
 
     text = _wait(enough)
-    assert _value(text, "mixbit_requests_total", endpoint="/v1/chat/completions", status="200") >= 8
-    assert _value(text, "mixbit_time_to_first_token_seconds_count", endpoint="/v1/chat/completions") >= 8
-    assert _value(text, "mixbit_inter_token_latency_seconds_count") > 0
-    assert _value(text, "mixbit_generation_tokens_total") > 0
-    assert _value(text, "mixbit_tool_call_outcomes_total", outcome="parsed") >= 4
-    assert _value(text, "mixbit_tool_call_outcomes_total", outcome="markup_in_content") == 0
-    assert _value(text, "mixbit_constrained_output_invalid_total") == 0
-    assert _value(text, "mixbit_grammar_requests_total") >= 8
-    assert _value(text, "mixbit_variant_info", recipe="uniform-4", bits_per_weight="4.5") == 1
+    assert metric_value(text, "mixbit_requests_total", endpoint="/v1/chat/completions", status="200") >= 8
+    assert metric_value(text, "mixbit_time_to_first_token_seconds_count", endpoint="/v1/chat/completions") >= 8
+    assert metric_value(text, "mixbit_inter_token_latency_seconds_count") > 0
+    assert metric_value(text, "mixbit_generation_tokens_total") > 0
+    assert metric_value(text, "mixbit_tool_call_outcomes_total", outcome="parsed") >= 4
+    assert metric_value(text, "mixbit_tool_call_outcomes_total", outcome="markup_in_content") == 0
+    assert metric_value(text, "mixbit_constrained_output_invalid_total") == 0
+    assert metric_value(text, "mixbit_grammar_requests_total") >= 8
+    assert metric_value(text, "mixbit_variant_info", recipe="uniform-4", bits_per_weight="4.5") == 1
     assert 'measured_kld="' in text
-    assert _value(text, "mixbit_memory_bytes") > 10_000_000
+    assert metric_value(text, "mixbit_memory_bytes") > 10_000_000
     # fidelity: every request checked; a 4-bit model is close to bf16 but not equal
-    assert _value(text, "mixbit_fidelity_checks_total", kind="tool_call", variant="uniform-4") >= 4
-    assert _value(text, "mixbit_fidelity_checks_total", kind="json", variant="uniform-4") >= 4
-    assert 0 < _value(text, "mixbit_fidelity_kld_sum") < _value(text, "mixbit_fidelity_kld_count")
+    assert metric_value(text, "mixbit_fidelity_checks_total", kind="tool_call", variant="uniform-4") >= 4
+    assert metric_value(text, "mixbit_fidelity_checks_total", kind="json", variant="uniform-4") >= 4
+    assert 0 < metric_value(text, "mixbit_fidelity_kld_sum") < metric_value(text, "mixbit_fidelity_kld_count")
 
 
 def test_models_endpoint_and_fidelity_view_carry_provenance(served):
@@ -184,7 +174,7 @@ def test_remote_bf16_reference_and_rate_cap(tmp_path):
             assert view["reference"] == reference.url
             assert all(c["kld_mean"] > 0 for c in view["checks"])
             text = _metrics(served.url)
-            assert _value(text, "mixbit_fidelity_dropped_total", reason="rate_cap") == 3
+            assert metric_value(text, "mixbit_fidelity_dropped_total", reason="rate_cap") == 3
             score = httpx.post(reference.url + "/v1/score", json={"tokens": [1, 2, 3], "start": 0}).status_code
             assert score == 400  # bad input gets a clear error from the reference too
         finally:

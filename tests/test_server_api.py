@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .server_proc import ServerProcess
+from .server_proc import ServerProcess, metric_value
 
 MODEL = "tiny-qwen3.5"
 TOOLS = json.loads(open(__import__("pathlib").Path(__file__).parents[1] / "examples" / "weather.json").read())
@@ -262,12 +262,6 @@ def test_cors_is_off_by_default(server):
     assert "access-control-allow-origin" not in r.headers
 
 
-def _gauge(text: str, name: str) -> float:
-    import re
-
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
 def test_prefix_cache_holds_no_more_memory_than_it_counts():
     """Caches kept for prefix reuse are extracted from a batch; an MLX slice keeps its whole
     parent buffer alive, so each kept entry held every row of its batch (8x the bytes the cache
@@ -288,7 +282,7 @@ def test_prefix_cache_holds_no_more_memory_than_it_counts():
         after = httpx.get(s.url + "/metrics").text
     finally:
         s.stop()
-    held = _gauge(after, "mixbit_mlx_active_memory_bytes") - _gauge(before, "mixbit_mlx_active_memory_bytes")
-    counted = _gauge(after, "mixbit_prefix_cache_bytes") - _gauge(before, "mixbit_prefix_cache_bytes")
+    held = metric_value(after, "mixbit_mlx_active_memory_bytes") - metric_value(before, "mixbit_mlx_active_memory_bytes")
+    counted = metric_value(after, "mixbit_prefix_cache_bytes") - metric_value(before, "mixbit_prefix_cache_bytes")
     assert counted > 0
     assert held <= 1.25 * counted + (256 << 10), (held, counted)

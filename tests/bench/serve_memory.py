@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.bench.kernel_serve_bench import CACHE, make_prompts, shape_checkpoint  # noqa: E402
 from tests.bench.serve_bench import Server, free_port, load_test  # noqa: E402
+from tests.server_proc import metric_value  # noqa: E402
 
 GAUGES = {"rss": "mixbit_memory_bytes", "mlx active": "mixbit_mlx_active_memory_bytes",
           "mlx cache": "mixbit_mlx_cache_memory_bytes", "prefix cache": "mixbit_prefix_cache_bytes"}
@@ -50,11 +50,9 @@ class Poller:
         text = self._get()
         with self._lock:
             for key, name in GAUGES.items():
-                values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-                if values:
-                    v = sum(float(x) for x in values)
-                    self._now[key] = v
-                    self._peak[key] = max(self._peak.get(key, 0.0), v)
+                v = metric_value(text, name)
+                self._now[key] = v
+                self._peak[key] = max(self._peak.get(key, 0.0), v)
 
     def _run(self):
         while not self._stop.wait(0.2):
