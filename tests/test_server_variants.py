@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from .conftest import ROOT
-from .server_proc import ServerProcess
-from .test_metrics import NO_PROMETHEUS, _metrics, _value, _wait, prometheus
+from .server_proc import ServerProcess, metric_value
+from .test_metrics import NO_PROMETHEUS, _metrics, _wait, prometheus
 
 NAME = "tiny-qwen3.5"
 VARIANTS = ["uniform-4", "uniform-3", "bf16"]
@@ -83,14 +83,14 @@ def test_fidelity_is_checked_per_variant_against_one_reference(served, client):
 
     def checked():
         t = _metrics(served.url)
-        return t if all(_value(t, "mixbit_fidelity_checks_total", variant=v) >= 3 for v in VARIANTS) else None
+        return t if all(metric_value(t, "mixbit_fidelity_checks_total", variant=v) >= 3 for v in VARIANTS) else None
 
     text = _wait(checked, timeout=180)
     for v in VARIANTS:
-        assert _value(text, "mixbit_tool_call_outcomes_total", outcome="parsed", variant=v) >= 3
-        assert _value(text, "mixbit_variant_info", variant=v, recipe=v) == 1
+        assert metric_value(text, "mixbit_tool_call_outcomes_total", outcome="parsed", variant=v) >= 3
+        assert metric_value(text, "mixbit_variant_info", variant=v, recipe=v) == 1
     # bf16 is its own reference; the quantized variants drift from it, uniform-3 the most
-    kld = {v: _value(text, "mixbit_fidelity_kld_sum", variant=v) / _value(text, "mixbit_fidelity_kld_count", variant=v)
+    kld = {v: metric_value(text, "mixbit_fidelity_kld_sum", variant=v) / metric_value(text, "mixbit_fidelity_kld_count", variant=v)
            for v in VARIANTS}
     assert kld["bf16"] < 1e-6 < kld["uniform-4"]
     view = httpx.get(served.url + "/v1/fidelity", params={"variant": "uniform-3"}).json()
@@ -100,7 +100,7 @@ def test_fidelity_is_checked_per_variant_against_one_reference(served, client):
 
 
 def _mirrored(text: str, variant: str, mirror: str, outcome: str | None = None) -> float:
-    return _value(text, "mixbit_mirror_comparisons_total", variant=variant, mirror=mirror,
+    return metric_value(text, "mixbit_mirror_comparisons_total", variant=variant, mirror=mirror,
                   **({"outcome": outcome} if outcome else {}))
 
 
