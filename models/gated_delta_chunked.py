@@ -96,10 +96,10 @@ def _on_metal() -> bool:
     return mx.default_device() == mx.gpu and mx.metal.is_available()
 
 
-def _step_kernel():
+def _kernel():
     from . import kernels
 
-    return kernels.gated_delta_step if kernels.available() else None
+    return kernels.gated_delta if kernels.available() else None
 
 
 def _patched_update(original):
@@ -107,20 +107,7 @@ def _patched_update(original):
 
     def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                            use_kernel=True, lower_bound=None, allow_neg_eigval=False):
-        metal = _on_metal()
-        if not metal and q.shape[1] == 1 and mask is None and a.ndim == 3 and use_kernel \
-                and _step_kernel() is not None:
-            # a decode step on CPU: one pass over the state (models/kernels)
-            beta = mx.sigmoid(b)
-            if allow_neg_eigval:
-                beta = beta * 2.0
-            g = (compute_g(A_log, a, dt_bias) if lower_bound is None
-                 else compute_lower_bound_g(A_log, a, dt_bias, lower_bound))
-            if state is None:
-                state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
-            y, state = _step_kernel()(q, k, v, g, beta, state)
-            return y.astype(q.dtype), state
-        if metal or q.shape[1] < MIN_TOKENS or a.ndim != 3:
+        if _on_metal() or a.ndim != 3:
             return original(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
                             lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
         beta = mx.sigmoid(b)
@@ -128,11 +115,18 @@ def _patched_update(original):
             beta = beta * 2.0
         g = (compute_g(A_log, a, dt_bias) if lower_bound is None
              else compute_lower_bound_g(A_log, a, dt_bias, lower_bound))
-        if g.ndim != 3:  # per-channel gates: not this algorithm
+        if g.ndim != 3:  # per-channel gates: not these algorithms
             return original(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
                             lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
         if state is None:
             state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
+        if use_kernel and _kernel() is not None:
+            # mixbit's CPU kernel (models/kernels): token after token, each head's state in cache
+            y, state = _kernel()(q, k, v, g, beta, state, mask)
+            return y.astype(q.dtype), state
+        if q.shape[1] < MIN_TOKENS:
+            return original(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
+                            lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
         return chunked_gated_delta(q, k, v, g, beta, state, mask)
 
     gated_delta_update.__wrapped__ = original

@@ -78,8 +78,10 @@ def test_bad_buffers_are_errors_not_crashes():
 
 @needs_kernels
 def test_model_served_packed_gives_dense_logits(embedded_path):
-    """The embedded model quantized to 4 and 6 bits, served packed (every projection and the
-    tied head on the kernels, prompts through the transient dense path) and dense."""
+    """The embedded model quantized to 4 bits, served packed (every projection and the tied head
+    on the kernels, prompts through the transient dense path; GatedDeltaNet's recurrence and
+    conv and the SiLUs of a prompt on the kernels too) and dense: the same logits for a batch
+    of two 160-token prompts and three decode steps."""
     import mlx.nn as nn
     from mlx_lm.utils import load as mlx_load
 
@@ -98,8 +100,10 @@ def test_model_served_packed_gives_dense_logits(embedded_path):
     summary = kernels.serve(packed, "packed", small=0)  # even the tiny model's layers
     assert summary["packed"] > 0 and summary["dense"] == 0
     kinds = {type(m).__name__ for _, m in packed.named_modules()}
-    assert "PackedLinear" in kinds and "PackedEmbedding" in kinds
-    tokens = mx.array([[1, 5, 9, 200, 17, 33, 4, 8]])
+    assert {"PackedLinear", "PackedEmbedding", "DepthwiseConv1d", "MLP", "RMSNormGated"} <= kinds
+    tokens = (mx.arange(2 * 160, dtype=mx.int32).reshape(2, 160) * 37) % 4000 + 5
+    # the prompt is large enough for the SiLU kernel (MLX's op below kernels.ACT_MIN values)
+    assert tokens.size * packed.args.text_config["intermediate_size"] >= kernels.ACT_MIN
     for model in (packed, dense):  # prompt, then decode steps (one row: the kernels)
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -108,7 +112,7 @@ def test_model_served_packed_gives_dense_logits(embedded_path):
     for name, model in (("packed", packed), ("dense", dense)):
         logits = [model(tokens, cache=model._cache)[:, -1]]
         for t in (7, 11, 13):
-            logits.append(model(mx.array([[t]]), cache=model._cache)[:, -1])
+            logits.append(model(mx.array([[t], [t + 1]]), cache=model._cache)[:, -1])
         outs[name] = np.array(mx.concatenate(logits))
     np.testing.assert_allclose(outs["packed"], outs["dense"], rtol=1e-3, atol=1e-3)
     assert (outs["packed"].argmax(-1) == outs["dense"].argmax(-1)).all()
@@ -167,10 +171,62 @@ def test_gated_delta_step_matches_mlx_lm(B, Hk, Hv, Dk, Dv):
         v = mx.random.normal((B, 1, Hv, Dv))
         g = mx.random.uniform(0.5, 1.0, (B, 1, Hv))
         beta = mx.random.uniform(0.0, 1.0, (B, 1, Hv))
-        y, state = kernels.gated_delta_step(q, k, v, g, beta, state)
+        y, state = kernels.gated_delta(q, k, v, g, beta, state)
         ref_y, ref_state = gated_delta_ops(q, k, v, g, beta, ref_state)
         np.testing.assert_allclose(np.array(y), np.array(ref_y), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.array(state), np.array(ref_state), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv", [(1, 37, 2, 4, 64, 64), (2, 130, 16, 16, 128, 128), (3, 5, 1, 2, 48, 32)])
+def test_gated_delta_over_a_prompt_matches_mlx_lm(B, T, Hk, Hv, Dk, Dv):
+    """A prompt's tokens in one kernel call, left-padded rows masked as the batch generator
+    does, against mlx-lm's token-by-token ops: the same outputs and final state."""
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    mx.random.seed(T + Dk)
+    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
+    q = mx.random.normal((B, T, Hk, Dk)) * 0.1
+    k = mx.random.normal((B, T, Hk, Dk)) * 0.1
+    v = mx.random.normal((B, T, Hv, Dv))
+    g = mx.random.uniform(0.5, 1.0, (B, T, Hv))
+    beta = mx.random.uniform(0.0, 1.0, (B, T, Hv))
+    mask = mx.arange(T)[None, :] >= mx.array([i * 3 for i in range(B)])[:, None]  # left padding
+    y, new = kernels.gated_delta(q, k, v, g, beta, state, mask)
+    ref_y, ref_new = gated_delta_ops(q, k, v, g, beta, state, mask)
+    keep = np.array(mask)
+    np.testing.assert_allclose(np.array(y)[keep], np.array(ref_y)[keep], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(new), np.array(ref_new), rtol=1e-4, atol=1e-5)
+    assert not np.array_equal(np.array(new), np.array(state))
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,L,C", [(1, 4, 6144), (3, 303, 512), (2, 70, 40)])
+def test_depthwise_conv_matches_mlx(B, L, C):
+    """GatedDeltaNet's short convolution (kernel 4, one filter per channel) against MLX's."""
+    mx.random.seed(L)
+    x = mx.random.normal((B, L, C))
+    w = mx.random.normal((C, 4, 1))
+    ref = mx.conv1d(x, w, groups=C)
+    got = kernels.depthwise_conv(x, mx.contiguous(w[..., 0].T))
+    assert got.shape == ref.shape == (B, L - 3, C)
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_silu_matches_mlx():
+    """SiLU (and SiLU times a second input) over a prompt's worth of values, extremes included,
+    against MLX's; below kernels.ACT_MIN values it is MLX's own op."""
+    import mlx.nn as nn
+
+    mx.random.seed(3)
+    a = mx.concatenate([mx.random.normal((kernels.ACT_MIN + 1000,)) * 8,
+                        mx.array([-100.0, -88.0, -87.0, 0.0, 87.0, 88.0, 100.0, 1e-30, -1e-30])])
+    b = mx.random.normal(a.shape)
+    np.testing.assert_allclose(np.array(kernels.silu(a)), np.array(nn.silu(a)), rtol=3e-6, atol=1e-30)
+    np.testing.assert_allclose(np.array(kernels.silu(a, b)), np.array(nn.silu(a) * b), rtol=3e-6, atol=1e-30)
+    small = a[:100]
+    assert np.array_equal(np.array(kernels.silu(small)), np.array(nn.silu(small)))
 
 
 @needs_kernels

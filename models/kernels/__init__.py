@@ -113,26 +113,70 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     return mx.array(out).reshape(*lead, n)
 
 
-def gated_delta_step(q, k, v, g, beta, state):
-    """One decode step of the gated delta rule (mlx-lm's `_gated_delta_step_ops` contract for
-    scalar gates, T = 1): q, k [B, 1, Hk, Dk]; v [B, 1, Hv, Dv]; g, beta [B, 1, Hv]; state
-    [B, Hv, Dv, Dk]. Returns y [B, 1, Hv, Dv] and the new state, in float32."""
+def gated_delta(q, k, v, g, beta, state, mask=None):
+    """The gated delta rule over T tokens, one after the other with each head's state in cache
+    (mlx-lm's `gated_delta_ops` contract for scalar gates; a decode step is T = 1): q, k
+    [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk]; mask [B, T]
+    (True: a real token; padding leaves the state as it was) or None. Returns y [B, T, Hv, Dv]
+    and the new state, in float32."""
     import mlx.core as mx
     import numpy as np
 
     start()
-    B, _, Hk, Dk = q.shape
+    B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     if Hv // Hk > 1:
         q = mx.repeat(q, Hv // Hk, axis=-2)
         k = mx.repeat(k, Hv // Hk, axis=-2)
     f32 = mx.float32
+    g, beta = g.astype(f32), beta.astype(f32)
+    if mask is not None:
+        keep = mask.astype(mx.bool_)[..., None]
+        g, beta = mx.where(keep, g, 1.0), mx.where(keep, beta, 0.0)
     args = [mx.contiguous(a.astype(f32)) for a in (q, k, v, g, beta, state)]
     mx.eval(args)
-    y = np.empty((B, 1, Hv, Dv), np.float32)
+    y = np.empty((B, T, Hv, Dv), np.float32)
     new = np.empty((B, Hv, Dv, Dk), np.float32)
-    _qkernel.gated_delta_step(*args, y, new, B * Hv, Dk, Dv)
+    _qkernel.gated_delta_scan(*args, y, new, B, T, Hv, Dk, Dv)
     return mx.array(y), mx.array(new)
+
+
+def depthwise_conv(x, w_t):
+    """GatedDeltaNet's causal depthwise convolution: x [B, L, C], w_t [K, C] (MLX's Conv1d weight
+    [C, K, 1] transposed) -> [B, L - K + 1, C] float32, what `mx.conv1d(x, w, groups=C)` gives."""
+    import mlx.core as mx
+    import numpy as np
+
+    start()
+    B, L, C = x.shape
+    Kc = w_t.shape[0]
+    x = mx.contiguous(x.astype(mx.float32))
+    mx.eval(x, w_t)
+    y = np.empty((B, L - Kc + 1, C), np.float32)
+    _qkernel.depthwise_conv(x, w_t, y, B, L - Kc + 1, Kc, C)
+    return mx.array(y)
+
+
+ACT_MIN = 1 << 16  # values from which silu runs here (prompts); decode rows stay in MLX's graph
+
+
+def silu(a, b=None):
+    """silu(a) * b (or silu(a)) in float32 on the kernels: MLX's Linux CPU build computes exp one
+    value at a time (docs/cpu-serving.md). Small inputs stay MLX ops (a kernel call costs a
+    synchronisation)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+
+    if a.size < ACT_MIN:
+        y = nn.silu(a.astype(mx.float32))
+        return y if b is None else y * b.astype(mx.float32)
+    start()
+    args = [mx.contiguous(t.astype(mx.float32)) for t in ((a,) if b is None else (a, b))]
+    mx.eval(args)
+    y = np.empty(a.shape, np.float32)
+    _qkernel.silu(args[0], None if b is None else args[1], y, a.size)
+    return mx.array(y)
 
 
 _blas = None
@@ -312,6 +356,13 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             "runs": "dense" if key in dense_keys else "packed",
             "kernel_ms_1row": round(t[1]["kernel"] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
             "prefill_from_rows": choice.get(key)})
+    if summary["packed"]:  # real size: GatedDeltaNet's short convolutions and the SiLUs too
+        for _, module in model.named_modules():
+            if _depthwise(module):
+                module._w_t = mx.contiguous(module.weight[..., 0].T.astype(mx.float32))
+                module.__class__ = _DepthwiseConv1d
+            elif type(module).__name__ in _ACTIVATED:
+                module.__class__ = _ACTIVATED[type(module).__name__]
     if swaps:
         from mlx.utils import tree_unflatten
 
@@ -319,6 +370,16 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     mx.clear_cache()  # the measurements' dense copies go back to the system
     # what stays dense in float32 beyond the candidates (norms, small layers) is cast already
     return summary
+
+
+def _depthwise(module) -> bool:
+    import mlx.nn as nn
+
+    if type(module) is not nn.Conv1d or "bias" in module:
+        return False
+    c_out, _, c_in = module.weight.shape
+    return (c_in == 1 and module.groups == c_out and module.padding == 0 and module.stride == 1
+            and module.dilation == 1)
 
 
 def _dense_module(module):
@@ -424,16 +485,42 @@ def _classes():
             mode = BLAS if _rows(x) >= self._prefill_rows and blas_available() else FLOAT
             return matmul(x, self["weight"], mode=mode)
 
-    return PackedLinear, PackedEmbedding, Bf16Linear, Bf16Embedding
+    class DepthwiseConv1d(nn.Conv1d):
+        def __call__(self, x):
+            return depthwise_conv(x, self._w_t)
+
+    return PackedLinear, PackedEmbedding, Bf16Linear, Bf16Embedding, DepthwiseConv1d
+
+
+def _activated_classes() -> dict:
+    """Qwen3.5's SwiGLU MLP and gated RMSNorm (mlx-lm's classes) with the SiLU on the kernels."""
+    import mlx.core as mx
+    from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
+
+    class MLP(Qwen3NextMLP):
+        def __call__(self, x):
+            return self.down_proj(silu(self.gate_proj(x), self.up_proj(x)))
+
+    class RMSNormGated(Qwen3NextRMSNormGated):
+        def __call__(self, hidden_states, gate=None):
+            x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
+            if gate is None:
+                return x.astype(hidden_states.dtype)
+            return silu(gate, x).astype(hidden_states.dtype)
+
+    return {"Qwen3NextMLP": MLP, "Qwen3NextRMSNormGated": RMSNormGated}
 
 
 try:
-    _PackedLinear, _PackedEmbedding, _Bf16Linear, _Bf16Embedding = _classes()
+    _PackedLinear, _PackedEmbedding, _Bf16Linear, _Bf16Embedding, _DepthwiseConv1d = _classes()
+    _ACTIVATED = _activated_classes()
 except ImportError:  # mlx missing: nothing to install into
-    _PackedLinear = _PackedEmbedding = _Bf16Linear = _Bf16Embedding = None
+    _PackedLinear = _PackedEmbedding = _Bf16Linear = _Bf16Embedding = _DepthwiseConv1d = None
+    _ACTIVATED = {}
 
 
 def served(module) -> bool:
     """Whether `module` runs on these kernels (forward only: MLX cannot differentiate them)."""
-    kinds = tuple(k for k in (_PackedLinear, _PackedEmbedding, _Bf16Linear, _Bf16Embedding) if k)
+    kinds = tuple(k for k in (_PackedLinear, _PackedEmbedding, _Bf16Linear, _Bf16Embedding, _DepthwiseConv1d,
+                              *_ACTIVATED.values()) if k)
     return bool(kinds) and isinstance(module, kinds)
