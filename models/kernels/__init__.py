@@ -87,6 +87,36 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
 FLOAT, INT8, BLAS = 0, 1, 2  # the kernel's modes (qkernel.c)
 
 
+SCRATCH_BYTES = 64 << 20  # kernel output buffers kept for reuse, per thread
+_scratch = threading.local()
+
+
+def _output(shape, slot: str = "out"):
+    """A float32 buffer for a kernel's output, which mx.array() then copies. Outputs of 1 MB and
+    more (a GatedDeltaNet state per layer and decode step, the head's logits at batch > 1) are
+    kept per thread and reused: glibc maps each such allocation fresh (models/blas.py sets its
+    mmap threshold to 1 MB), and faulting a new 1 MB in cost ~210 us against ~60 us reused."""
+    import numpy as np
+
+    n = 4
+    for d in shape:
+        n *= d
+    if n < 1 << 20:
+        return np.empty(shape, np.float32)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    key = (slot, tuple(shape))
+    buf = bufs.pop(key, None)
+    if buf is None:
+        buf = np.empty(shape, np.float32)
+        while bufs and sum(b.nbytes for b in bufs.values()) + n > SCRATCH_BYTES:
+            bufs.pop(next(iter(bufs)))  # least recently used first
+    if n <= SCRATCH_BYTES:
+        bufs[key] = buf
+    return buf
+
+
 def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int = 0, mode: int = FLOAT):
     """x[..., K] @ W^T for MLX's packed `weight` (affine, `bits` 2-8, float32 scales/biases)
     or a bfloat16 `weight` (bits=16). Returns float32 [..., N]. `mode`: FLOAT (float32 FMAs on
@@ -94,7 +124,6 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     cblas_sgemm, for many rows), INT8 (activations quantized to int8 per group and multiplied
     with VNNI: measured, not used - see docs/cpu-serving.md)."""
     import mlx.core as mx
-    import numpy as np
 
     start()
     k = x.shape[-1]
@@ -105,7 +134,7 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     n = weight.shape[0]
     x2 = mx.contiguous(x.reshape(m, k).astype(mx.float32))
     mx.eval(x2)
-    out = np.empty((m, n), dtype=np.float32)
+    out = _output((m, n))
     if bits == 16:
         _qkernel.matmul(x2, weight, weight, weight, out, m, n, k, 16, 0, mode)
     else:
@@ -120,7 +149,6 @@ def gated_delta(q, k, v, g, beta, state, mask=None):
     (True: a real token; padding leaves the state as it was) or None. Returns y [B, T, Hv, Dv]
     and the new state, in float32."""
     import mlx.core as mx
-    import numpy as np
 
     start()
     B, T, Hk, Dk = q.shape
@@ -135,8 +163,8 @@ def gated_delta(q, k, v, g, beta, state, mask=None):
         g, beta = mx.where(keep, g, 1.0), mx.where(keep, beta, 0.0)
     args = [mx.contiguous(a.astype(f32)) for a in (q, k, v, g, beta, state)]
     mx.eval(args)
-    y = np.empty((B, T, Hv, Dv), np.float32)
-    new = np.empty((B, Hv, Dv, Dk), np.float32)
+    y = _output((B, T, Hv, Dv), "y")
+    new = _output((B, Hv, Dv, Dk), "state")
     _qkernel.gated_delta_scan(*args, y, new, B, T, Hv, Dk, Dv)
     return mx.array(y), mx.array(new)
 
@@ -145,14 +173,13 @@ def depthwise_conv(x, w_t):
     """GatedDeltaNet's causal depthwise convolution: x [B, L, C], w_t [K, C] (MLX's Conv1d weight
     [C, K, 1] transposed) -> [B, L - K + 1, C] float32, what `mx.conv1d(x, w, groups=C)` gives."""
     import mlx.core as mx
-    import numpy as np
 
     start()
     B, L, C = x.shape
     Kc = w_t.shape[0]
     x = mx.contiguous(x.astype(mx.float32))
     mx.eval(x, w_t)
-    y = np.empty((B, L - Kc + 1, C), np.float32)
+    y = _output((B, L - Kc + 1, C))
     _qkernel.depthwise_conv(x, w_t, y, B, L - Kc + 1, Kc, C)
     return mx.array(y)
 
@@ -166,7 +193,6 @@ def silu(a, b=None):
     synchronisation)."""
     import mlx.core as mx
     import mlx.nn as nn
-    import numpy as np
 
     if a.size < ACT_MIN:
         y = nn.silu(a.astype(mx.float32))
@@ -174,7 +200,7 @@ def silu(a, b=None):
     start()
     args = [mx.contiguous(t.astype(mx.float32)) for t in ((a,) if b is None else (a, b))]
     mx.eval(args)
-    y = np.empty(a.shape, np.float32)
+    y = _output(a.shape)
     _qkernel.silu(args[0], None if b is None else args[1], y, a.size)
     return mx.array(y)
 
