@@ -273,7 +273,10 @@ def forward_loss(cfg: TrainConfig, model):
 
     import torch
 
-    fwd = torch.compile(model) if cfg.compile else model
+    # static shapes: a staged run changes the row width once (long_steps), and compiling that
+    # second shape as a dynamic one failed in Inductor (torch 2.13: "cannot determine truth value
+    # of Relational: 1 < s27"); each shape compiles on its own instead
+    fwd = torch.compile(model, dynamic=False) if cfg.compile else model
     bf16 = use_bf16(cfg)
 
     def run(x):
