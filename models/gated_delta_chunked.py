@@ -1,10 +1,16 @@
-"""Chunk-parallel gated delta rule for prefill, in MLX matrix ops.
+"""GatedDeltaNet's recurrence off mlx-lm's per-token Python loop, wherever mlx-lm has no Metal kernel.
 
 mlx-lm runs GatedDeltaNet with a Metal kernel on Apple GPUs and, everywhere else, one Python loop
 iteration per token (`gated_delta_ops`). For a prompt that loop dominates time to first token.
-Here a prompt is cut into chunks of C tokens; inside a chunk the recurrence is solved in closed
-form with one triangular inverse and a few matmuls, and only the state hand-off between chunks is
-sequential (T / C steps instead of T).
+`install()` routes Qwen3.5's calls to mixbit's CPU kernel (`kernels.gated_delta`: token after
+token in C, each head's state in cache; prompts and decode steps) where it is built, and prompts
+to the chunk-parallel form below where it is not. It also makes a prompt's layer evaluate what it
+leaves in the cache (`_state_evaluated`).
+
+The chunk-parallel form, in MLX matrix ops: a prompt is cut into chunks of C tokens; inside a
+chunk the recurrence is solved in closed form with one triangular inverse and a few matmuls, and
+only the state hand-off between chunks is sequential (T / C steps instead of T). On one core of
+this project's machine it took ~1 s of a 256-token prompt at the 0.8B shape, the kernel 0.23 s.
 
 The math, per head, with state S (Dv x Dk), decay g_t, write strength b_t, key k_t, value v_t:
     S_t = g_t S_{t-1} + u_t k_t^T,     u_t = b_t (v_t - g_t S_{t-1} k_t),     y_t = S_t q_t
@@ -97,9 +103,11 @@ def _on_metal() -> bool:
 
 
 def _kernel():
+    """mixbit's CPU kernel, where it is built and the model runs on the CPU (it reads host
+    buffers)."""
     from . import kernels
 
-    return kernels.gated_delta if kernels.available() else None
+    return kernels.gated_delta if kernels.available() and mx.default_device() == mx.cpu else None
 
 
 def _patched_update(original):
@@ -137,8 +145,8 @@ PATCHED_MODULES = ("mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next")
 
 
 def install() -> None:
-    """Routes multi-token GatedDeltaNet calls of Qwen3.5 / Qwen3-Next to the chunked form
-    wherever mlx-lm has no Metal kernel (CPU, CUDA). Idempotent."""
+    """Routes GatedDeltaNet calls of Qwen3.5 / Qwen3-Next to mixbit's CPU kernel, or prompts to
+    the chunked form, wherever mlx-lm has no Metal kernel (CPU, CUDA). Idempotent."""
     import importlib
 
     for name in PATCHED_MODULES:
