@@ -178,6 +178,27 @@ def test_gated_delta_step_matches_mlx_lm(B, Hk, Hv, Dk, Dv):
 
 
 @needs_kernels
+def test_reused_output_buffers_never_alias_results():
+    """Decode-sized outputs (1-8 MB) reuse one buffer per shape, within a bound; what a call
+    returned stays as it was after the next call with the same shape."""
+    B, H, D = 2, 16, 128  # a 2 MB state
+    mx.random.seed(5)
+    state = mx.random.normal((B, H, D, D)) * 0.1
+    args = [mx.random.normal((B, 1, H, D)) * 0.1 for _ in range(2)] + [mx.random.normal((B, 1, H, D))]
+    gates = [mx.random.uniform(0.5, 1.0, (B, 1, H)), mx.random.uniform(0.0, 1.0, (B, 1, H))]
+    _, first = kernels.gated_delta(*args, *gates, state)
+    kept = np.array(first)
+    _, second = kernels.gated_delta(*args, *gates, first)
+    assert np.array_equal(np.array(first), kept) and not np.array_equal(np.array(second), kept)
+    assert kernels._output((B, H, D, D), "state") is kernels._output((B, H, D, D), "state")
+    big = (kernels.SCRATCH_MAX // 4 + 1,)
+    assert kernels._output(big) is not kernels._output(big)  # a prompt's output is not kept
+    for rows in range(1, 40):
+        kernels._output((rows, 1 << 18))
+    assert sum(b.nbytes for b in kernels._scratch.bufs.values()) <= kernels.SCRATCH_BYTES
+
+
+@needs_kernels
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv", [(1, 37, 2, 4, 64, 64), (2, 130, 16, 16, 128, 128), (3, 5, 1, 2, 48, 32)])
 def test_gated_delta_over_a_prompt_matches_mlx_lm(B, T, Hk, Hv, Dk, Dv):
     """A prompt's tokens in one kernel call, left-padded rows masked as the batch generator

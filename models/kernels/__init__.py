@@ -87,7 +87,8 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
 FLOAT, INT8, BLAS = 0, 1, 2  # the kernel's modes (qkernel.c)
 
 
-SCRATCH_BYTES = 64 << 20  # kernel output buffers kept for reuse, per thread
+SCRATCH_BYTES = 32 << 20  # kernel output buffers kept for reuse, per thread, in all
+SCRATCH_MAX = 8 << 20  # the largest kept: decode outputs (batch 8: the states, the logits)
 _scratch = threading.local()
 
 
@@ -95,13 +96,14 @@ def _output(shape, slot: str = "out"):
     """A float32 buffer for a kernel's output, which mx.array() then copies. Outputs of 1 MB and
     more (a GatedDeltaNet state per layer and decode step, the head's logits at batch > 1) are
     kept per thread and reused: glibc maps each such allocation fresh (models/blas.py sets its
-    mmap threshold to 1 MB), and faulting a new 1 MB in cost ~210 us against ~60 us reused."""
+    mmap threshold to 1 MB), and faulting a new 1 MB in cost ~210 us against ~60 us reused.
+    A prompt's larger outputs are not kept (they would stay resident)."""
     import numpy as np
 
     n = 4
     for d in shape:
         n *= d
-    if n < 1 << 20:
+    if n < 1 << 20 or n > SCRATCH_MAX:
         return np.empty(shape, np.float32)
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
@@ -112,8 +114,7 @@ def _output(shape, slot: str = "out"):
         buf = np.empty(shape, np.float32)
         while bufs and sum(b.nbytes for b in bufs.values()) + n > SCRATCH_BYTES:
             bufs.pop(next(iter(bufs)))  # least recently used first
-    if n <= SCRATCH_BYTES:
-        bufs[key] = buf
+    bufs[key] = buf
     return buf
 
 
