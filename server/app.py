@@ -203,7 +203,9 @@ def start_loading(state: ServerState) -> threading.Thread:
                                 variant=variant.recipe if resolved.quantized else label,
                                 context_length=int(text_cfg.get("max_position_embeddings", 4096)),
                                 provenance={**variant.manifest, "model_type": resolved.model_type,
-                                            "path": str(variant.path)})
+                                            "path": str(variant.path),
+                                            # how each layer shape runs on the CPU (docs/cpu-serving.md)
+                                            **({"cpu_plan": lm.cpu_plan} if lm.cpu_plan else {})})
                 itl = state.metrics.itl.labels(v.variant).observe if state.metrics else None
                 v.engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                                   cache_entries=s.server.prefix_cache_entries,

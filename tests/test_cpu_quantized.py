@@ -5,11 +5,21 @@ Every path must compute the same function as the quantized kernels."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import mlx.core as mx
 import pytest
 
+from mixbit.models import kernels
+
 from mixbit.models.loading import DENSE_ROWS, load
 from mixbit.models.registry import resolve
+
+from .conftest import ROOT
+
+needs_kernels_for_server = pytest.mark.skipif(not kernels.available(),
+                                              reason=f"no kernels: {kernels.IMPORT_ERROR}")
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +124,37 @@ def test_packed_kernels_compute_the_quantized_function(uniform4, u4_folder):
     scale = float(mx.abs(outs[1]).max().item())
     assert float(mx.abs(outs[0] - outs[1]).max().item()) < 1e-4 * max(scale, 1.0)
     assert bool(mx.all(outs[0].argmax(-1) == outs[1].argmax(-1)).item())
+
+
+@needs_kernels_for_server
+def test_server_serves_a_variant_packed_from_its_own_thread(tmp_path):
+    """`mixbit serve` with every layer packed (as a real-size variant runs): the engine's thread
+    runs the kernels the loader's thread set up (MLX streams are per thread: a lazy array made
+    at load failed there), for a short tool call and a prompt long enough for the prompt-size
+    kernels (SiLU, convolution, recurrence over many tokens); the engine never reports an error."""
+    import openai
+
+    from .server_proc import ServerProcess, metric_value
+
+    s = ServerProcess('generation.cpu_quantized="packed"', recipe="uniform-4",
+                      cache_dir=str(tmp_path)).wait_ready(600)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
+        weather = json.loads((ROOT / "examples" / "weather.json").read_text())
+        weather = weather if isinstance(weather, list) else [weather]
+        r = client.chat.completions.create(
+            model="tiny-qwen3.5", messages=[{"role": "user", "content": "What's the weather in Oslo?"}],
+            tools=weather, temperature=0, max_tokens=48)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+        long = " ".join(f"Note {i}: the weather in Oslo was mild." for i in range(40))
+        r = client.chat.completions.create(
+            model="tiny-qwen3.5", messages=[{"role": "user", "content": long + " Summarise the notes."}],
+            temperature=0, max_tokens=16)
+        assert r.usage.prompt_tokens > 200 and r.usage.completion_tokens > 0
+        assert r.choices[0].finish_reason in ("stop", "length")
+        plan = httpx.get(s.url + "/v1/models").json()["data"][0]["mixbit"]["cpu_plan"]
+        assert plan["packed"] > 0 and plan["dense"] == 0 and plan["shapes"]
+        assert "a decode step failed" not in s.log_path.read_text()
+    finally:
+        s.stop()

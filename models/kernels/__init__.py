@@ -386,7 +386,10 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     if summary["packed"]:  # real size: GatedDeltaNet's short convolutions and the SiLUs too
         for _, module in model.named_modules():
             if _depthwise(module):
+                # evaluated here: MLX streams are per thread, and the engine's thread could not
+                # evaluate a lazy array built on the loader's
                 module._w_t = mx.contiguous(module.weight[..., 0].T.astype(mx.float32))
+                mx.eval(module._w_t)
                 module.__class__ = _DepthwiseConv1d
             elif type(module).__name__ in _ACTIVATED:
                 module.__class__ = _ACTIVATED[type(module).__name__]

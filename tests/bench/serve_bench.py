@@ -97,12 +97,16 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             data = json.loads(line[5:])
+            if "error" in data:  # a failure after the 200 (streamed): no number may come of it
+                raise RuntimeError(f"{model}: the stream ended with an error: {data['error']}")
             for c in data.get("choices", []):
                 if c.get("text"):
                     chunks += 1
                     if first is None:
                         first = time.perf_counter()
     end = time.perf_counter()
+    if not chunks:
+        raise RuntimeError(f"{model}: a request produced no text")
     return (first or end) - start, end - start, chunks
 
 
