@@ -113,6 +113,10 @@ def main(argv=None) -> int:
             return out
         cls.__call__ = call
 
+    def kind_of(cls):
+        return next((c.__name__ for c in cls.__mro__
+                     if c.__name__ in ("GatedDeltaNet", "Qwen3NextAttention", "Qwen3NextMLP")), None)
+
     paths = {id(m): p for p, m in model.named_modules()}
     wrapped = set()
     for _, m in model.named_modules():
@@ -122,8 +126,8 @@ def main(argv=None) -> int:
         if isinstance(m, projections):
             wrap(cls, lambda s: label(paths.get(id(s), ""), s))
             wrapped.add(cls)
-        elif cls.__name__ in ("GatedDeltaNet", "Qwen3NextAttention", "Qwen3NextMLP"):
-            wrap(cls, lambda s: f"layer {type(s).__name__}")
+        elif kind_of(cls):  # mlx-lm's layer classes, or mixbit's subclasses of them (kernels.serve)
+            wrap(cls, lambda s: f"layer {kind_of(type(s))}")
             wrapped.add(cls)
     lang = getattr(model, "language_model", model)
     head_owner = lang.model.embed_tokens if not hasattr(lang, "lm_head") else None
