@@ -74,6 +74,18 @@ def test_bad_buffers_are_errors_not_crashes():
         q.matmul(x, w, s, b, b"\0" * 128, 2, 16, 128, 4, 64)
     with pytest.raises(ValueError, match="contiguous"):
         q.matmul(x.T, w, s, b, out, 2, 16, 128, 4, 64)
+    a, y = np.ones(64, np.float32), np.empty(64, np.float32)
+    with pytest.raises(ValueError, match="b: 128 bytes, expected 256"):
+        q.silu(a, a[:32], y, 64)
+    with pytest.raises(ValueError, match="writable"):
+        q.silu(a, None, b"\0" * 256, 64)
+    with pytest.raises(ValueError, match="w: 64 bytes, expected 128"):
+        q.depthwise_conv(np.ones((1, 11, 8), np.float32), a[:16], np.empty((1, 8, 8), np.float32), 1, 8, 4, 8)
+    with pytest.raises(ValueError, match="state"):
+        q.gated_delta_scan(*[np.ones(4, np.float32)] * 3, *[np.ones(1, np.float32)] * 2, a,
+                           np.empty(4, np.float32), np.empty(16, np.float32), 1, 1, 1, 4, 4)
+    with pytest.raises(ValueError, match="bad shape"):
+        q.gated_delta_scan(*[a] * 8, 1, 0, 1, 4, 4)
 
 
 @needs_kernels

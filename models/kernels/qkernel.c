@@ -890,89 +890,82 @@ fail_x:
 }
 
 
-static PyObject *py_gated_delta_scan(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *oq, *ok, *ov, *og, *obeta, *os, *oy, *oso;
-    long long B, T, H, Dk, Dv;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOLLLLL", &oq, &ok, &ov, &og, &obeta, &os, &oy, &oso, &B, &T, &H,
-                          &Dk, &Dv))
-        return NULL;
-    if (B < 1 || T < 1 || H < 1 || Dk < 1 || Dv < 1)
-        return PyErr_Format(PyExc_ValueError, "bad shape B=%lld T=%lld H=%lld Dk=%lld Dv=%lld", B, T, H,
-                            Dk, Dv);
-    PyObject *objs[8] = {oq, ok, ov, og, obeta, os, oy, oso};
-    const Py_ssize_t BTH = B * T * H, BH = B * H;
-    const Py_ssize_t sizes[8] = {BTH * Dk, BTH * Dk, BTH * Dv, BTH, BTH, BH * Dv * Dk, BTH * Dv, BH * Dv * Dk};
-    const char *names[8] = {"q", "k", "v", "g", "beta", "state", "y", "state_out"};
-    Py_buffer bufs[8];
+/* float32 buffers for the element-wise kernels: objs[i] must hold sizes[i] floats; the ones from
+ * `first_out` on are written. Returns how many were acquired (all of them, n, when no error is
+ * set); release that many. */
+static int float_bufs(PyObject **objs, const Py_ssize_t *sizes, const char **names, int n, int first_out,
+                      Py_buffer *bufs) {
     int got = 0;
-    for (; got < 8; got++) {
-        if (get_buf(objs[got], &bufs[got], got >= 6, names[got])) goto done;
+    for (; got < n; got++) {
+        if (get_buf(objs[got], &bufs[got], got >= first_out, names[got])) return got;
         if (bufs[got].len != sizes[got] * 4) {
             PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", names[got], bufs[got].len,
                          sizes[got] * 4);
-            got++;
-            goto done;
+            return got + 1;
         }
     }
-    {
-        Gdn d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf,
-                 bufs[6].buf, bufs[7].buf, T, H, Dk, Dv};
-        Job j;
-        memset(&j, 0, sizeof j);
-        j.ctx = &d;
-        j.M = 1;
-        j.N = BH;
-        j.K = T * Dk * Dv;
-        j.min_block = 1; /* a head is a lot of work: share them out one by one */
-        Py_BEGIN_ALLOW_THREADS
-        run(&j, gdn_part);
-        Py_END_ALLOW_THREADS
-    }
-done:
+    return got;
+}
+
+/* `units` pieces of work of `unit_work` each (for the pool's threshold), `min_block` at a time */
+static void run_units(const void *ctx, RowsFn fn, int64_t units, int64_t unit_work, int64_t min_block) {
+    Job j;
+    memset(&j, 0, sizeof j);
+    j.ctx = ctx;
+    j.M = 1;
+    j.N = units;
+    j.K = unit_work;
+    j.min_block = min_block;
+    Py_BEGIN_ALLOW_THREADS
+    run(&j, fn);
+    Py_END_ALLOW_THREADS
+}
+
+static PyObject *release_bufs(Py_buffer *bufs, int got) {
     for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
 
+static PyObject *py_gated_delta_scan(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[8];
+    long long B, T, H, Dk, Dv;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOLLLLL", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &objs[7], &B, &T, &H, &Dk, &Dv))
+        return NULL;
+    if (B < 1 || T < 1 || H < 1 || Dk < 1 || Dv < 1)
+        return PyErr_Format(PyExc_ValueError, "bad shape B=%lld T=%lld H=%lld Dk=%lld Dv=%lld", B, T, H,
+                            Dk, Dv);
+    const Py_ssize_t BTH = B * T * H, BH = B * H;
+    const Py_ssize_t sizes[8] = {BTH * Dk, BTH * Dk, BTH * Dv, BTH, BTH, BH * Dv * Dk, BTH * Dv, BH * Dv * Dk};
+    const char *names[8] = {"q", "k", "v", "g", "beta", "state", "y", "state_out"};
+    Py_buffer bufs[8];
+    const int got = float_bufs(objs, sizes, names, 8, 6, bufs);
+    if (!PyErr_Occurred()) {
+        Gdn d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf,
+                 bufs[6].buf, bufs[7].buf, T, H, Dk, Dv};
+        run_units(&d, gdn_part, BH, T * Dk * Dv, 1); /* a head is a lot of work: one by one */
+    }
+    return release_bufs(bufs, got);
+}
+
 static PyObject *py_depthwise_conv(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *ox, *ow, *oy;
+    PyObject *objs[3];
     long long B, T, Kc, C;
-    if (!PyArg_ParseTuple(args, "OOOLLLL", &ox, &ow, &oy, &B, &T, &Kc, &C)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOLLLL", &objs[0], &objs[1], &objs[2], &B, &T, &Kc, &C)) return NULL;
     if (B < 1 || T < 1 || Kc < 1 || C < 1)
         return PyErr_Format(PyExc_ValueError, "bad shape B=%lld T=%lld K=%lld C=%lld", B, T, Kc, C);
-    PyObject *objs[3] = {ox, ow, oy};
     const Py_ssize_t sizes[3] = {B * (T + Kc - 1) * C, Kc * C, B * T * C};
     const char *names[3] = {"x", "w", "y"};
     Py_buffer bufs[3];
-    int got = 0;
-    for (; got < 3; got++) {
-        if (get_buf(objs[got], &bufs[got], got == 2, names[got])) goto done;
-        if (bufs[got].len != sizes[got] * 4) {
-            PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", names[got], bufs[got].len,
-                         sizes[got] * 4);
-            got++;
-            goto done;
-        }
-    }
-    {
+    const int got = float_bufs(objs, sizes, names, 3, 2, bufs);
+    if (!PyErr_Occurred()) {
         Conv d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, T, Kc, C};
-        Job j;
-        memset(&j, 0, sizeof j);
-        j.ctx = &d;
-        j.M = 1;
-        j.N = B * T;
-        j.K = Kc * C;
-        j.min_block = 4;
-        Py_BEGIN_ALLOW_THREADS
-        run(&j, conv_rows);
-        Py_END_ALLOW_THREADS
+        run_units(&d, conv_rows, B * T, Kc * C, 4);
     }
-done:
-    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
-    if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
+    return release_bufs(bufs, got);
 }
 
 static PyObject *py_silu(PyObject *self, PyObject *args) {
@@ -983,34 +976,15 @@ static PyObject *py_silu(PyObject *self, PyObject *args) {
     if (n < 1) return PyErr_Format(PyExc_ValueError, "bad size n=%lld", n);
     const int has_b = ob != Py_None;
     PyObject *objs[3] = {oa, has_b ? ob : oa, oy};
+    const Py_ssize_t sizes[3] = {n, n, n};
     const char *names[3] = {"a", "b", "y"};
     Py_buffer bufs[3];
-    int got = 0;
-    for (; got < 3; got++) {
-        if (get_buf(objs[got], &bufs[got], got == 2, names[got])) goto done;
-        if (bufs[got].len != n * 4) {
-            PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %lld", names[got], bufs[got].len, n * 4);
-            got++;
-            goto done;
-        }
-    }
-    {
+    const int got = float_bufs(objs, sizes, names, 3, 2, bufs);
+    if (!PyErr_Occurred()) {
         Act d = {bufs[0].buf, has_b ? bufs[1].buf : NULL, bufs[2].buf, n};
-        Job j;
-        memset(&j, 0, sizeof j);
-        j.ctx = &d;
-        j.M = 1;
-        j.N = (n + ACT_BLOCK - 1) / ACT_BLOCK;
-        j.K = ACT_BLOCK;
-        j.min_block = 8;
-        Py_BEGIN_ALLOW_THREADS
-        run(&j, act_part);
-        Py_END_ALLOW_THREADS
+        run_units(&d, act_part, (n + ACT_BLOCK - 1) / ACT_BLOCK, ACT_BLOCK, 8);
     }
-done:
-    for (int i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
-    if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
+    return release_bufs(bufs, got);
 }
 
 static PyObject *py_info(PyObject *self, PyObject *noargs) {
