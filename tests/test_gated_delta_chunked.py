@@ -55,12 +55,13 @@ def test_state_carries_across_calls():
 
 
 def test_installed_model_output_is_unchanged(loaded_tiny):
-    """The whole embedded model gives the same logits with the chunked prefill and the loop."""
+    """The whole embedded model gives the same logits through mixbit's route for the recurrence
+    (the CPU kernel where built, else the chunked form) and through mlx-lm's per-token loop."""
     import mlx_lm.models.qwen3_5 as q35
 
     ids = mx.array([loaded_tiny.tokenizer.encode("Hello there, what is the weather in Oslo? " * 12)])
     patched = q35.gated_delta_update
-    assert getattr(patched, "__wrapped__", None) is not None, "mixbit's loader installs the chunked prefill"
+    assert getattr(patched, "__wrapped__", None) is not None, "mixbit's loader installs its route for the recurrence"
     fast = loaded_tiny.model(ids)
     q35.gated_delta_update = patched.__wrapped__
     try:
