@@ -134,7 +134,7 @@ def test_server_serves_a_variant_packed_from_its_own_thread(tmp_path):
     kernels (SiLU, convolution, recurrence over many tokens); the engine never reports an error."""
     import openai
 
-    from .server_proc import ServerProcess, metric_value
+    from .server_proc import ServerProcess
 
     s = ServerProcess('generation.cpu_quantized="packed"', recipe="uniform-4",
                       cache_dir=str(tmp_path)).wait_ready(600)
