@@ -15,8 +15,13 @@ Both compute what MLX computes for the dequantized weight, in float32 (to roundi
 test_kernels.py checks every width and group size). An int8-activation (VNNI) mode is there and
 measured, but not used: 1.7x the float kernel at 0.6% error, and slower than BLAS for prompts.
 
+Beside the projections, for Qwen3.5's other costly parts on CPU: the GatedDeltaNet recurrence
+over a prompt or one decode step (`gated_delta`), its short convolution (`depthwise_conv`) and the
+SiLUs of a prompt (`silu`: MLX's Linux build computes exp one value at a time).
+
 `serve(model)` times each layer shape here and switches the model's QuantizedLinear,
-QuantizedEmbedding (a tied output head) and bfloat16 Linear layers. Each kernel call evaluates its
+QuantizedEmbedding (a tied output head) and bfloat16 Linear layers; where any of them runs packed
+(real sizes), also the depthwise Conv1d, the SwiGLU MLP and the gated RMSNorm. Each kernel call evaluates its
 input (a synchronisation, ~20-60 us), which is why small projections stay dense inside MLX's graph
 and why "auto" keeps a layer dense where that measured faster (the embedded model). The output
 head of a prompt stays lazy: mlx-lm's prompt processing never evaluates those logits.
