@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ ensure_fast_blas()  # in-process tests get the BLAS the CLI loads, before anythi
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "models" / "tiny-qwen3.5"
+# the tools the README's examples offer (get_weather, ...), as the OpenAI SDK takes them
+WEATHER = json.loads((ROOT / "examples" / "weather.json").read_text())
 MIXBIT = [sys.executable, "-m", "mixbit.server.cli"]
 
 

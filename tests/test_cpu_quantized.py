@@ -16,7 +16,7 @@ from mixbit.models import kernels
 from mixbit.models.loading import DENSE_ROWS, load
 from mixbit.models.registry import resolve
 
-from .conftest import ROOT
+from .conftest import WEATHER
 
 needs_kernels_for_server = pytest.mark.skipif(not kernels.available(),
                                               reason=f"no kernels: {kernels.IMPORT_ERROR}")
@@ -140,11 +140,9 @@ def test_server_serves_a_variant_packed_from_its_own_thread(tmp_path):
                       cache_dir=str(tmp_path)).wait_ready(600)
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
-        weather = json.loads((ROOT / "examples" / "weather.json").read_text())
-        weather = weather if isinstance(weather, list) else [weather]
         r = client.chat.completions.create(
             model="tiny-qwen3.5", messages=[{"role": "user", "content": "What's the weather in Oslo?"}],
-            tools=weather, temperature=0, max_tokens=48)
+            tools=WEATHER, temperature=0, max_tokens=48)
         (call,) = r.choices[0].message.tool_calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
         long = " ".join(f"Note {i}: the weather in Oslo was mild." for i in range(40))

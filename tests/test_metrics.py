@@ -6,7 +6,6 @@ mixbit instance serving bf16 works as a remote reference; drops are counted, nev
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import subprocess
 import time
@@ -16,12 +15,10 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, WEATHER
 from .server_proc import ServerProcess, free_port, metric_value
 
 MODEL = "tiny-qwen3.5"
-WEATHER = json.loads((ROOT / "examples" / "weather.json").read_text())
-WEATHER = WEATHER if isinstance(WEATHER, list) else [WEATHER]
 
 
 def _traffic(url: str, n: int = 4) -> None:

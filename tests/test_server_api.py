@@ -10,10 +10,11 @@ import httpx
 import openai
 import pytest
 
+from .conftest import WEATHER
 from .server_proc import ServerProcess, metric_value
 
 MODEL = "tiny-qwen3.5"
-TOOLS = json.loads(open(__import__("pathlib").Path(__file__).parents[1] / "examples" / "weather.json").read())
+TOOLS = WEATHER
 
 
 @pytest.fixture(scope="module")

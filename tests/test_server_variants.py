@@ -12,14 +12,12 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ROOT
+from .conftest import WEATHER
 from .server_proc import ServerProcess, metric_value
 from .test_metrics import NO_PROMETHEUS, _metrics, _wait, prometheus
 
 NAME = "tiny-qwen3.5"
 VARIANTS = ["uniform-4", "uniform-3", "bf16"]
-WEATHER = json.loads((ROOT / "examples" / "weather.json").read_text())
-WEATHER = WEATHER if isinstance(WEATHER, list) else [WEATHER]
 OSLO = [{"role": "user", "content": "What's the weather in Oslo?"}]
 
 
