@@ -142,6 +142,42 @@ def test_blas_mode_for_prompts_matches(bits, group):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+needs_tiles = pytest.mark.skipif(not kernels.tiles_available(), reason="no AMX tiles on this CPU or kernel")
+
+
+@needs_kernels
+@needs_tiles
+@pytest.mark.parametrize("bits,group", [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
+                         + [(16, 0)])
+def test_tiles_mode_for_prompts_matches(bits, group):
+    """Many rows on the AMX tiles: x split exactly into three bfloat16 parts, so the products
+    are exact and the result is float32 accumulation away from the float64 product: rows not a
+    multiple of the tile, more rows than one pass (kernels TILE_MCHUNK = 256), several column
+    panels, and a K so long that a panel is one block of columns."""
+    for m, n, k in ((16, 32, 128), (45, 96, 384), (300, 160, 256), (40, 64, 8192)):
+        x, w, s, b = _case(m, n, k, bits, group or 64, seed=m)
+        got = np.array(kernels.matmul(x, w, s, b, bits, group, mode=kernels.TILES))
+        dense = (w.astype(mx.float32) if bits == 16 else
+                 mx.dequantize(w, s, b, group_size=group, bits=bits))
+        ref = np.array(x).astype(np.float64) @ np.array(dense).astype(np.float64).T
+        assert got.shape == (m, n)
+        # three parts: at most 1e-6 over these cases; two (16 significant bits of x): 3.5e-5
+        assert np.abs(got - ref).max() <= 4e-6 * np.abs(ref).max(), (m, n, k)
+
+
+@needs_kernels
+def test_tiles_mode_refuses_what_it_cannot_do():
+    x, w, s, b = _case(40, 48, 256, 4, 64)
+    out = np.empty((40, 48), np.float32)
+    if not kernels.tiles_available():
+        with pytest.raises(RuntimeError, match="AMX"):
+            kernels._qkernel.matmul(x, w, s, b, out, 40, 48, 256, 4, 64, kernels.TILES)
+        return
+    with pytest.raises(ValueError, match="multiple of 32"):  # 48 output columns
+        kernels._qkernel.matmul(x, w, s, b, out, 40, 48, 256, 4, 64, kernels.TILES)
+    assert not kernels.tiles_support(48, 256, 4, 64) and kernels.tiles_support(64, 256, 4, 64)
+
+
 @needs_kernels
 def test_int8_mode_is_close():
     """The VNNI mode quantizes activations to int8 per group: close, not exact (measured, unused

@@ -89,7 +89,9 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
     return bits in (2, 3, 4, 5, 6, 8) and group_size >= 32 and in_features % group_size == 0
 
 
-FLOAT, INT8, BLAS = 0, 1, 2  # the kernel's modes (qkernel.c)
+FLOAT, INT8, BLAS, TILES = 0, 1, 2, 3  # the kernel's modes (qkernel.c)
+PROMPT_ROWS = 256  # the rows at which the prompt paths (BLAS, TILES) are compared: a prefill chunk
+PROMPT_PATHS = {"blas": BLAS, "tiles": TILES}
 
 
 SCRATCH_BYTES = 32 << 20  # kernel output buffers kept for reuse, per thread, in all
@@ -123,11 +125,21 @@ def _output(shape, slot: str = "out"):
     return buf
 
 
+def tiles_available() -> bool:
+    """Whether the CPU and the OS let the kernels use AMX tiles (the TILES mode)."""
+    return _qkernel is not None and bool(_qkernel.info().get("tiles"))
+
+
+def tiles_support(n: int, k: int, bits: int, group: int) -> bool:
+    return tiles_available() and n % 32 == 0 and k % 64 == 0 and (bits == 16 or group in (32, 64, 128))
+
+
 def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int = 0, mode: int = FLOAT):
     """x[..., K] @ W^T for MLX's packed `weight` (affine, `bits` 2-8, float32 scales/biases)
     or a bfloat16 `weight` (bits=16). Returns float32 [..., N]. `mode`: FLOAT (float32 FMAs on
     the packed weights, for a few rows), BLAS (dequantized in tiles and multiplied by
-    cblas_sgemm, for many rows), INT8 (activations quantized to int8 per group and multiplied
+    cblas_sgemm, for many rows), TILES (AMX: the unpacked weights times x split exactly into
+    three bfloat16 parts, for many rows; where tiles_support), INT8 (activations quantized to int8 per group and multiplied
     with VNNI: measured, not used - see docs/cpu-serving.md)."""
     import mlx.core as mx
 
@@ -270,10 +282,11 @@ def _time(fn, reps: int, rounds: int = 3) -> float:
 
 
 def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
-    """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT), the tiled
-    dequantize-then-BLAS path (BLAS, when the process has a cblas_sgemm) and, for one row,
-    dense float32 as it runs inside a lazy graph (several products per evaluation). Each timing
-    takes about `budget_s`."""
+    """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT), the
+    prompt paths - dequantize-then-BLAS (BLAS, when the process has a cblas_sgemm) and AMX
+    tiles (TILES, where the CPU has them) - and, for one row, dense float32 as it runs inside a
+    lazy graph (several products per evaluation). The prompt paths are also timed at
+    PROMPT_ROWS rows, where serve() picks one of them. Each timing takes about `budget_s`."""
     import mlx.core as mx
 
     n, k, bits, group = _shape_key(module)
@@ -288,6 +301,8 @@ def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
     dense = w[:part].astype(mx.float32) if bits == 16 else mx.dequantize(
         w[:part], s[:part], b[:part], group_size=group, bits=bits)
     mx.eval(dense, s, b)
+    prompt = {name: mode for name, mode in PROMPT_PATHS.items()
+              if (blas_available() if mode == BLAS else tiles_support(n, k, bits, group))}
     out = {}
     for m in rows:
         x = mx.random.normal((m, k))
@@ -297,15 +312,22 @@ def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
         chain = min(reps, 8)
         # in a model the kernel's input is a lazy result: its evaluation is part of the cost
         kinds = {"kernel": lambda: [matmul(x * 1.0, w, s, b, bits, group) for _ in range(chain)]}
-        if blas_available():
-            kinds["blas"] = lambda: [matmul(x * 1.0, w, s, b, bits, group, mode=BLAS) for _ in range(chain)]
+        if m > 1:
+            for name, mode in prompt.items():
+                kinds[name] = lambda mode=mode: [matmul(x * 1.0, w, s, b, bits, group, mode=mode)
+                                                 for _ in range(chain)]
         if m == 1:
             kinds["dense"] = lambda: mx.eval([mx.matmul(x, dense.T) for _ in range(chain)])
         out[m] = {name: _time(fn, max(1, reps // chain)) / chain for name, fn in kinds.items()}
         if "dense" in out[m]:
             out[m]["dense"] *= n / part
-        if m > 1 and out[m].get("blas", float("inf")) < out[m]["kernel"]:
-            break  # the crossover: BLAS from here on
+        if m > 1 and min((out[m][p] for p in prompt), default=float("inf")) < out[m]["kernel"]:
+            break  # the crossover: a prompt path from here on
+    if len(prompt) > 1 and max(out) > 1:  # which prompt path, at a prefill chunk's rows
+        x = mx.random.normal((PROMPT_ROWS, k))
+        mx.eval(x)
+        out["prompt"] = {name: _time(lambda mode=mode: matmul(x * 1.0, w, s, b, bits, group, mode=mode), 1)
+                         for name, mode in prompt.items()}
     del dense
     mx.clear_cache()  # the next shape's copies must not stack on this one's
     return out
@@ -317,7 +339,8 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     timing it here (`measure`): "auto" keeps a layer packed on the kernel unless dense float32
     measured faster for one decode row and its dense weight fits `dense_budget` (bytes, over
     all such layers); "packed" keeps every supported layer packed. A packed layer multiplies
-    prompts (rows >= its measured crossover) through tiles of dequantized weight and BLAS.
+    prompts (rows >= its measured crossover) on the AMX tiles or through tiles of dequantized
+    weight and BLAS, whichever measured faster for a prefill chunk of that layer.
     `restore`: bfloat16 weights by module path to put back (the loader cast everything to
     float32; the kernel reads bfloat16 itself). Returns a summary for the log and /v1/models."""
     import mlx.core as mx
@@ -368,11 +391,16 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             swaps.append((path, _dense_module(module)))
             summary["dense"] += 1
             continue
-        # the kernel's cost grows with every row, BLAS's far more slowly: BLAS from the
-        # smallest measured row count where it won (or past the largest measured)
-        wins = [m for m in sorted(t) if m > 1 and t[m].get("blas", float("inf")) < t[m]["kernel"]]
-        cross = wins[0] if wins else 2 * max(t)
+        # the kernel's cost grows with every row, a prompt path's far more slowly: the faster
+        # prompt path at a prefill chunk's rows, from the smallest measured row count where it
+        # won (or past the largest measured)
+        rows_t = {m: v for m, v in t.items() if m != "prompt"}
+        paths = t.get("prompt") or {p: 0.0 for p in rows_t[max(rows_t)] if p in PROMPT_PATHS}
+        best = min(paths, key=paths.get) if paths else None
+        wins = [m for m in sorted(rows_t) if m > 1 and rows_t[m].get(best, float("inf")) < rows_t[m]["kernel"]]
+        cross = wins[0] if wins else 2 * max(rows_t)
         module._prefill_rows = cross
+        module._prompt_mode = PROMPT_PATHS.get(best)
         module._head = path.endswith("lm_head")
         if kind == "quantized":
             module.scales = module.scales.astype(mx.float32)
@@ -380,14 +408,14 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             module.__class__ = _PackedLinear if type(module) is nn.QuantizedLinear else _PackedEmbedding
         else:
             module.__class__ = _Bf16Linear if type(module) is nn.Linear else _Bf16Embedding
-        choice[key] = cross
+        choice[key] = (cross, best)
         summary["packed"] += 1
     for key, t in sorted(timings.items()):
         summary["shapes"].append({
             "out": key[0], "in": key[1], "bits": key[2], "group": key[3],
             "runs": "dense" if key in dense_keys else "packed",
             "kernel_ms_1row": round(t[1]["kernel"] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
-            "prefill_from_rows": choice.get(key)})
+            "prefill_from_rows": choice.get(key, (None,))[0], "prefill": choice.get(key, (None, None))[1]})
     if summary["packed"]:  # real size: GatedDeltaNet's short convolutions and the SiLUs too
         for _, module in model.named_modules():
             if _depthwise(module):
@@ -474,50 +502,59 @@ def _classes():
     import mlx.core as mx
     import mlx.nn as nn
 
+    # set by serve(): from how many rows a call is a prompt, and its path (BLAS, TILES or None:
+    # MLX's dense matmul)
     class PackedLinear(nn.QuantizedLinear):
         _head = False
+        _prompt_mode = None
 
         def __call__(self, x):
             if self._head and _lazy_head(x):  # untied output head over a prompt: lazy
                 y = mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"], transpose=True,
                                         group_size=self.group_size, bits=self.bits)
-            elif _rows(x) >= self._prefill_rows:  # a prompt: dequantized in tiles, BLAS
+            elif _rows(x) >= self._prefill_rows:  # a prompt: AMX tiles or BLAS, as measured
                 y = (matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size,
-                            mode=BLAS) if blas_available() else mx.matmul(x, _dequantized(self).T))
+                            mode=self._prompt_mode) if self._prompt_mode is not None
+                     else mx.matmul(x, _dequantized(self).T))
             else:
                 y = matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
             return y + self["bias"] if "bias" in self else y
 
     class PackedEmbedding(nn.QuantizedEmbedding):
+        _prompt_mode = None
+
         def as_linear(self, x):  # the tied output head
             if _lazy_head(x):  # a prompt whose logits nobody reads: lazy, never computed
                 return mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
                                            transpose=True, group_size=self.group_size, bits=self.bits)
-            mode = BLAS if _rows(x) >= self._prefill_rows and blas_available() else FLOAT
+            mode = self._prompt_mode if _rows(x) >= self._prefill_rows and self._prompt_mode is not None else FLOAT
             return matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size,
                           mode=mode)
 
     class Bf16Linear(nn.Linear):
         _head = False
+        _prompt_mode = None
 
         def __call__(self, x):
             if self._head and _lazy_head(x):  # lazy: unused prompt logits are never computed
                 y = mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
             elif _rows(x) >= self._prefill_rows:
-                y = (matmul(x, self["weight"], mode=BLAS) if blas_available() else
+                y = (matmul(x, self["weight"], mode=self._prompt_mode) if self._prompt_mode is not None else
                      mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T))
             else:
                 y = matmul(x, self["weight"])
             return y + self["bias"].astype(mx.float32) if "bias" in self else y
 
     class Bf16Embedding(nn.Embedding):
+        _prompt_mode = None
+
         def __call__(self, x):
             return self["weight"][x].astype(mx.float32)
 
         def as_linear(self, x):
             if _lazy_head(x):
                 return mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
-            mode = BLAS if _rows(x) >= self._prefill_rows and blas_available() else FLOAT
+            mode = self._prompt_mode if _rows(x) >= self._prefill_rows and self._prompt_mode is not None else FLOAT
             return matmul(x, self["weight"], mode=mode)
 
     class DepthwiseConv1d(nn.Conv1d):

@@ -29,10 +29,12 @@
 #include <unistd.h>
 #include <math.h>
 #include <dlfcn.h>
+#include <sys/syscall.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define MIXBIT_X86 1
+#include <cpuid.h>
 #endif
 
 /* Decode rows stream the weights from memory one output row after the other: a software
@@ -60,9 +62,14 @@ typedef struct {
     int64_t M, N, K;
     int bits, group;
     int64_t min_block;    /* output rows (or units) a thread takes at a time; 0: 16 */
+    void *xparts;         /* the tile path: x as three bfloat16 parts, in B tiles */
+    float *gsum;          /* the tile path: the group sums of x, by group [K/group][Mp] */
+    int64_t Mp;           /* M rounded up to TILE_ROWS */
 } Job;
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
+
+static int have_avx512 = 0, have_vnni = 0, have_amx = 0;
 
 /* ---------------------------------------------------------------- portable path */
 
@@ -375,11 +382,236 @@ VNNI static void rows_affine_vnni(const Job *j, int64_t n0, int64_t n1) {
         }
     }
 }
+
+/* ---------------------------------------------------------------- AMX tile path (prompts) */
+
+/* For prompt rows on CPUs with AMX (Sapphire Rapids and later): the same function as the float
+ * path, sum_g s_g * (q_g . x_g) + b_g * sum(x_g), with the q_g . x_g products on the tile unit
+ * (tdpbf16ps: 16 x 16 x 32 multiply-adds an instruction, float32 accumulation). Nothing is
+ * rounded on the way in: an unpacked weight q (at most 8 bits) is a bfloat16 exactly, and x is
+ * split into three bfloat16 parts, x = hi + mid + lo exactly (8 significant bits each), so every
+ * product is exact and only the float32 accumulation rounds, as in the float path and in BLAS.
+ * bfloat16 weights are used as they are (one group over all of K, no scale).
+ *
+ * The weights are the tiles' A operand (16 output columns x 32 k, the unpacked rows as they
+ * come), x the B operand (pairs of k by input row, rearranged once per call), so the
+ * accumulators hold out^T. A thread takes panels of output columns, unpacks each panel once
+ * (at most TILE_PANEL_BYTES, so it stays in L2) and runs every block of 32 input rows against
+ * it: four 16 x 16 accumulator tiles per 32 x 32 block, rescaled into float32 after each group. */
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512bf16,fma")))
+#define TILE_COLS 32
+#define TILE_ROWS 32
+#define TILE_PARTS 3
+#define TILE_PANEL_BYTES (768 << 10)
+#define TILE_MCHUNK 256 /* prompt rows per pass: x's parts stay ~1.5-5 MB */
+#define TILE_ACC_BLOCKS 4 /* 32 x 32 float32 sums kept at a time (16 KB, in L1) */
+
+/* AMX needs the CPU's tile unit and the kernel's permission to use its state (Linux 5.16+) */
+static int amx_enable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 22) & 1))
+        return 0; /* AMX-TILE, AMX-BF16 */
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1))
+        return 0; /* AVX512-BF16 */
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* A buffer kept per thread and slot, grown as needed (freed at thread exit: never, for the
+ * engine's long-lived threads; it is at most 3 x TILE_MCHUNK x K x 2 bytes) */
+static _Thread_local void *tile_bufs[2];
+static _Thread_local size_t tile_caps[2];
+
+static void *tile_buffer(int slot, size_t bytes) {
+    if (tile_caps[slot] < bytes) {
+        free(tile_bufs[slot]);
+        bytes = (bytes + 4095) & ~(size_t)4095;
+        tile_bufs[slot] = aligned_alloc(4096, bytes);
+        tile_caps[slot] = tile_bufs[slot] ? bytes : 0;
+    }
+    return tile_bufs[slot];
+}
+
+static int64_t tile_panel_blocks(int64_t K) {
+    int64_t p = TILE_PANEL_BYTES / (K * 2 * TILE_COLS);
+    return p < 1 ? 1 : p;
+}
+
+/* x [M, K] float32 into B tiles of its three bfloat16 parts: tile (part, block of 16 rows, 32-deep
+ * slice kb) is 1 KB, its row r holding each input row's pair k = 2r, 2r + 1 (rows from M on are
+ * zero). The parts: hi = x with its low 16 bits cleared, mid the same of x - hi, lo = x - hi - mid.
+ * Also the group sums of x, by group ([ng][Mp]), for the bias term. Runs on the pool: units are
+ * blocks of 16 rows. */
+AMX static void tiles_split_x(const Job *j, int64_t b0, int64_t b1) {
+    const int64_t K = j->K, M = j->M, Mp = j->Mp, nkb = K / 32, nmb = Mp / 16;
+    const int64_t kpg = j->bits == 16 ? nkb : j->group / 32, ng = nkb / kpg;
+    uint32_t *xp = (uint32_t *)j->xparts;
+    float *xsum_t = j->gsum;
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    for (int64_t mb = b0; mb < b1; mb++) {
+        for (int p = 0; p < 3; p++)
+            memset(xp + ((p * nmb + mb) * nkb) * 256, 0, (size_t)(nkb * 1024));
+        for (int64_t m = mb * 16; m < mb * 16 + 16; m++) {
+            if (m >= M) {
+                for (int64_t gi = 0; gi < ng; gi++) xsum_t[gi * Mp + m] = 0.0f;
+                continue;
+            }
+            __m512 gsum = _mm512_setzero_ps();
+            for (int64_t kb = 0; kb < nkb; kb++) {
+                __m512 parts[3][2];
+                for (int h = 0; h < 2; h++) {
+                    const __m512 v = _mm512_loadu_ps(j->x + m * K + kb * 32 + 16 * h);
+                    gsum = _mm512_add_ps(gsum, v);
+                    parts[0][h] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+                    const __m512 r = _mm512_sub_ps(v, parts[0][h]);
+                    parts[1][h] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), top));
+                    parts[2][h] = _mm512_sub_ps(r, parts[1][h]);
+                }
+                for (int p = 0; p < 3; p++) /* exact: each part has at most 8 significant bits */
+                    _mm512_i32scatter_epi32(xp + ((p * nmb + mb) * nkb + kb) * 256 + (m & 15), rows,
+                                            (__m512i)_mm512_cvtne2ps_pbh(parts[p][1], parts[p][0]), 4);
+                if ((kb + 1) % kpg == 0) {
+                    xsum_t[(kb / kpg) * Mp + m] = _mm512_reduce_add_ps(gsum);
+                    gsum = _mm512_setzero_ps();
+                }
+            }
+        }
+    }
+}
+
+/* Column blocks cb0..cb1 (TILE_COLS columns each) into A tiles: for each block and 32-deep slice
+ * of K, two 1 KB tiles (columns 0-15, 16-31), row i the slice of column i as bfloat16 */
+AMX static void tiles_pack(const Job *j, const Unpack *u, int64_t cb0, int64_t cb1, uint16_t *wt) {
+    const int64_t K = j->K, nkb = K / 32, ncol = (cb1 - cb0) * TILE_COLS;
+    for (int64_t c = 0; c < ncol; c++) {
+        const int64_t n = cb0 * TILE_COLS + c;
+        uint16_t *col = wt + ((c / TILE_COLS) * nkb * 2 + ((c >> 4) & 1)) * 512 + (c & 15) * 32;
+        if (j->bits == 16) {
+            const uint16_t *wr = (const uint16_t *)j->w + n * K;
+            for (int64_t kb = 0; kb < nkb; kb++)
+                _mm512_storeu_si512(col + kb * 1024, _mm512_loadu_si512(wr + kb * 32));
+            continue;
+        }
+        const uint8_t *wr = j->w + n * (K * j->bits / 8);
+        for (int64_t c64 = 0; c64 < K; c64 += 64) {
+            __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c64 >> 6) * u->chunk_bytes);
+            v = _mm512_permutexvar_epi8(u->perm, v);
+            v = _mm512_multishift_epi64_epi8(u->shift, v);
+            v = _mm512_and_si512(v, u->vmask);
+            __m512 f[4];
+            for (int t = 0; t < 4; t++)
+                f[t] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, t)));
+            /* integers below 256 are bfloat16 exactly */
+            _mm512_storeu_si512(col + (c64 / 32) * 1024, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+            _mm512_storeu_si512(col + (c64 / 32 + 1) * 1024, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+        }
+    }
+}
+
+/* One group (kpg slices of 32) of one block of 32 output columns x 32 input rows, into acc
+ * ([column][row] float32): q . x on the tiles, then scaled, plus the bias times the group sums */
+AMX static inline void tiles_group(const Job *j, const uint16_t *wb, const uint32_t *xp, const float *xsum_t,
+                                   float *acc, float *ct, int64_t c0, int64_t m0, int64_t gi, int64_t kpg,
+                                   int64_t ng) {
+    const int64_t K = j->K, Mp = j->Mp, nkb = K / 32, nmb = Mp / 16, mb = m0 / 16;
+    const int affine = j->bits != 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = gi * kpg; kb < (gi + 1) * kpg; kb++) {
+        _tile_loadd(4, wb + kb * 1024, 64);
+        _tile_loadd(5, wb + kb * 1024 + 512, 64);
+        for (int p = 0; p < TILE_PARTS; p++) {
+            const uint32_t *xb = xp + ((p * nmb + mb) * nkb + kb) * 256;
+            _tile_loadd(6, xb, 64);
+            _tile_loadd(7, xb + nkb * 256, 64);
+            _tile_dpbf16ps(0, 4, 6); /* columns 0-15, rows 0-15 */
+            _tile_dpbf16ps(1, 4, 7); /* columns 0-15, rows 16-31 */
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, ct, 64);
+    _tile_stored(1, ct + 256, 64);
+    _tile_stored(2, ct + 512, 64);
+    _tile_stored(3, ct + 768, 64);
+    for (int t = 0; t < 4; t++) {
+        const int h = t >> 1, r16 = (t & 1) * 16;
+        const __m512 xs = affine ? _mm512_loadu_ps(xsum_t + gi * Mp + m0 + r16) : _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            const int64_t col = h * 16 + i, n = c0 + col;
+            float *ar = acc + col * TILE_ROWS + r16;
+            __m512 a = _mm512_loadu_ps(ar), c = _mm512_loadu_ps(ct + t * 256 + i * 16);
+            if (affine) {
+                a = _mm512_fmadd_ps(c, _mm512_set1_ps(j->scales[n * ng + gi]), a);
+                a = _mm512_fmadd_ps(xs, _mm512_set1_ps(j->biases[n * ng + gi]), a);
+            } else {
+                a = _mm512_add_ps(a, c);
+            }
+            _mm512_storeu_ps(ar, a);
+        }
+    }
+}
+
+AMX static void rows_tiles(const Job *j, int64_t u0, int64_t u1) {
+    const int64_t K = j->K, M = j->M, Mp = j->Mp, N = j->N, nkb = K / 32;
+    const int affine = j->bits != 16;
+    const int64_t ng = affine ? K / j->group : 1, kpg = affine ? j->group / 32 : nkb;
+    const uint32_t *xp = (const uint32_t *)j->xparts;
+    const float *xsum_t = j->gsum;
+    const int64_t panel = tile_panel_blocks(K), nb = N / TILE_COLS;
+    /* units are panels: a thread's panel is unpacked once and x streamed over it once */
+    const int64_t cb0 = u0 * panel, cb1 = u1 * panel < nb ? u1 * panel : nb;
+    Unpack u;
+    if (affine) make_unpack(&u, j);
+    uint16_t *wt = aligned_alloc(64, (size_t)(panel * nkb * 2048));
+    float *acc = aligned_alloc(64, TILE_ACC_BLOCKS * TILE_ROWS * TILE_COLS * sizeof(float));
+    float *ct = aligned_alloc(64, 4 * 256 * sizeof(float));
+    if (!wt || !acc || !ct) abort(); /* a few hundred KB; a worker cannot report it */
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    for (int64_t p0 = cb0; p0 < cb1; p0 += panel) {
+        const int64_t p1 = p0 + panel < cb1 ? p0 + panel : cb1;
+        tiles_pack(j, &u, p0, p1, wt);
+        for (int64_t m0 = 0; m0 < Mp; m0 += TILE_ROWS)
+            for (int64_t s0 = 0; s0 < p1 - p0; s0 += TILE_ACC_BLOCKS) {
+                const int64_t s1 = s0 + TILE_ACC_BLOCKS < p1 - p0 ? s0 + TILE_ACC_BLOCKS : p1 - p0;
+                memset(acc, 0, (size_t)((s1 - s0) * TILE_ROWS * TILE_COLS) * sizeof(float));
+                /* group by group over the blocks: a group's x tiles stay in L1 across them */
+                for (int64_t gi = 0; gi < ng; gi++)
+                    for (int64_t b = s0; b < s1; b++)
+                        tiles_group(j, wt + b * nkb * 1024, xp, xsum_t, acc + (b - s0) * TILE_ROWS * TILE_COLS,
+                                    ct, (p0 + b) * TILE_COLS, m0, gi, kpg, ng);
+                for (int64_t r = 0; r < TILE_ROWS && m0 + r < M; r++)
+                    for (int64_t b = s0; b < s1; b++) {
+                        const float *ab = acc + (b - s0) * TILE_ROWS * TILE_COLS;
+                        float *o = j->out + (m0 + r) * N + (p0 + b) * TILE_COLS;
+                        for (int col = 0; col < TILE_COLS; col++) o[col] = ab[col * TILE_ROWS + r];
+                    }
+            }
+    }
+    _tile_release();
+    free(wt);
+    free(acc);
+    free(ct);
+}
 #endif
 
 /* ---------------------------------------------------------------- dispatch */
-
-static int have_avx512 = 0, have_vnni = 0;
 
 static RowsFn choose(const Job *j, const char **name) {
 #ifdef MIXBIT_X86
@@ -719,7 +951,7 @@ static void run_range(const Job *j, RowsFn fn, int64_t lo, int64_t hi) {
     const int64_t N = hi - lo;
     /* small products (a few thousand rows of work) are not worth waking anyone */
     int64_t work_units = N * j->K * (j->M < ROWS ? j->M : ROWS);
-    if (n_threads <= 1 || work_units < (1 << 18)) {
+    if (n_threads <= 1 || (work_units < (1 << 18) && !j->xparts)) { /* tile jobs: N counts panels */
         fn(j, lo, hi);
         return;
     }
@@ -772,8 +1004,15 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOLLLii|i", &ox, &ow, &os, &ob, &oo, &M, &N, &K, &bits, &group,
                           &mode))
         return NULL;
-    if (mode < 0 || mode > 2)
-        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int8) or 2 (BLAS), not %d", mode);
+    if (mode < 0 || mode > 3)
+        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int8), 2 (BLAS) or 3 (tiles), not %d",
+                            mode);
+    if (mode == 3 && !have_amx)
+        return PyErr_Format(PyExc_RuntimeError, "the tile mode needs AMX (amx-tile, amx-bf16), which this CPU "
+                            "or kernel does not offer");
+    if (mode == 3 && (N % 32 || K % 64 || (bits != 16 && (group < 32 || (group & (group - 1))))))
+        return PyErr_Format(PyExc_ValueError, "the tile mode needs N a multiple of 32, K of 64 and a group of "
+                            "32, 64 or 128 (N=%lld K=%lld group=%d)", N, K, group);
     if (mode == 2 && !sgemm) {
         sgemm = (SgemmFn)dlsym(RTLD_DEFAULT, "cblas_sgemm");
         if (!sgemm)
@@ -806,7 +1045,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int8_t *x8 = NULL;
     int use_int8 = int8 && affine && have_vnni && K % 64 == 0 && group >= 32 &&
                    (group & (group - 1)) == 0;
-    if (affine && mode != 2) {
+    if (affine && mode < 2) {
         const int64_t ng = K / group;
         xsum = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
         if (use_int8) {
@@ -845,6 +1084,32 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
     Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum, x8,
              xscale, xcorr, NULL, 0, NULL, M, N, K, bits, group};
+#ifdef MIXBIT_X86
+    if (mode == 3) {
+        /* prompts of up to TILE_MCHUNK rows at a time: x's parts and sums for one chunk, in
+         * buffers kept per thread (a fresh mapping per call cost its page faults every time) */
+        const int64_t mc = M < TILE_MCHUNK ? M : TILE_MCHUNK;
+        const int64_t Mp = (mc + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+        const int64_t ng = affine ? K / group : 1, panels = tile_panel_blocks(K);
+        uint32_t *xp = tile_buffer(0, (size_t)(3 * Mp * K) * sizeof(uint16_t));
+        float *xsum_t = tile_buffer(1, (size_t)(ng * Mp) * sizeof(float));
+        if (!xp || !xsum_t) { PyErr_NoMemory(); goto fail_o; }
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_MCHUNK) {
+            Job jc = j;
+            jc.x = (const float *)bx.buf + m0 * K;
+            jc.out = (float *)bo.buf + m0 * N;
+            jc.M = M - m0 < TILE_MCHUNK ? M - m0 : TILE_MCHUNK;
+            jc.Mp = (jc.M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+            jc.xparts = xp;
+            jc.gsum = xsum_t;
+            jc.min_block = 1;
+            run_range(&jc, tiles_split_x, 0, jc.Mp / 16);
+            run_range(&jc, rows_tiles, 0, (N / TILE_COLS + panels - 1) / panels);
+        }
+        Py_END_ALLOW_THREADS
+    } else
+#endif
     if (mode == 2) {
         /* dequantize tiles of at most 64 MB on the pool, multiply each with BLAS */
         int64_t tile = (64 << 20) / (4 * K);
@@ -990,9 +1255,9 @@ static PyObject *py_silu(PyObject *self, PyObject *args) {
 
 static PyObject *py_info(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
-    return Py_BuildValue("{s:s,s:i,s:i,s:O}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
+    return Py_BuildValue("{s:s,s:i,s:i,s:O,s:O}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
                          "threads", n_threads, "rows_per_pass", ROWS, "int8",
-                         have_vnni ? Py_True : Py_False);
+                         have_vnni ? Py_True : Py_False, "tiles", have_amx ? Py_True : Py_False);
 }
 
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {
@@ -1016,6 +1281,7 @@ static PyObject *py_force_portable(PyObject *self, PyObject *args) {
     have_avx512 = on ? 0 : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl"));
     have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
+    have_amx = on ? 0 : amx_enable();
 #endif
     Py_RETURN_NONE;
 }
@@ -1048,6 +1314,7 @@ PyMODINIT_FUNC PyInit__qkernel(void) {
     have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
     have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
+    have_amx = have_avx512 && amx_enable();
 #endif
     const char *spin = getenv("MIXBIT_KERNEL_SPIN_US");
     if (spin) spin_us = atoi(spin);

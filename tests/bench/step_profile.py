@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     model = lm.model
     print(f"loaded in {time.perf_counter() - t0:.1f} s; kernels {kernels.info()}")
     if lm.cpu_plan:
-        print("\n| out | in | bits | group | runs | kernel ms (1 row) | dense ms (1 row) | BLAS from rows |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| out | in | bits | group | runs | kernel ms (1 row) | dense ms (1 row) | prompt from rows | prompt path |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in lm.cpu_plan["shapes"]:
             print(f"| {r['out']} | {r['in']} | {r['bits']} | {r['group']} | {r['runs']} | "
-                  f"{r['kernel_ms_1row']} | {r['dense_ms_1row']} | {r['prefill_from_rows']} |")
+                  f"{r['kernel_ms_1row']} | {r['dense_ms_1row']} | {r['prefill_from_rows']} | {r['prefill']} |")
     vocab = getattr(model, "language_model", model).model.embed_tokens.weight.shape[0]
 
     def fresh(batch, length=32):
