@@ -113,6 +113,12 @@ def test_model_served_packed_gives_dense_logits(embedded_path):
     assert summary["packed"] > 0 and summary["dense"] == 0
     kinds = {type(m).__name__ for _, m in packed.named_modules()}
     assert {"PackedLinear", "PackedEmbedding", "DepthwiseConv1d", "MLP", "RMSNormGated"} <= kinds
+    # the convolution applies the SiLU for prompts, and mlx-lm's nn.silu after it gives it back
+    convs = [m for _, m in packed.named_modules() if type(m).__name__ == "DepthwiseConv1d"]
+    assert convs and all(c._fuse_silu for c in convs)
+    import sys
+
+    assert isinstance(sys.modules["mlx_lm.models.qwen3_5"].nn, kernels._SiluDone)
     tokens = (mx.arange(2 * 160, dtype=mx.int32).reshape(2, 160) * 37) % 4000 + 5
     # the prompt is large enough for the SiLU kernel (MLX's op below kernels.ACT_MIN values)
     assert tokens.size * packed.args.text_config["intermediate_size"] >= kernels.ACT_MIN
@@ -280,6 +286,28 @@ def test_depthwise_conv_matches_mlx(B, L, C):
     got = kernels.depthwise_conv(x, mx.contiguous(w[..., 0].T))
     assert got.shape == ref.shape == (B, L - 3, C)
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@needs_kernels
+def test_silu_after_the_conv_is_applied_once():
+    """The conv's own SiLU (prompts) and _SiluDone: nn.silu hands back exactly the array the
+    conv gave, once; any other array gets MLX's SiLU."""
+    import mlx.nn as nn
+
+    x = mx.random.normal((2, 70, 600))
+    w_t = mx.random.normal((4, 600))
+    conv = np.array(kernels.depthwise_conv(x, w_t))
+    fused = kernels.depthwise_conv(x, w_t, then_silu=True)
+    np.testing.assert_allclose(np.array(fused), np.array(nn.silu(mx.array(conv))), rtol=1e-5, atol=1e-6)
+    proxy = kernels._SiluDone(nn)
+    kernels._silu_done.y = fused
+    assert proxy.silu(fused) is fused
+    again = proxy.silu(fused)  # no longer the conv's fresh output: a SiLU of it
+    np.testing.assert_allclose(np.array(again), np.array(nn.silu(fused)), rtol=1e-6)
+    other = mx.random.normal((3, 5))
+    np.testing.assert_allclose(np.array(proxy.silu(other)), np.array(nn.silu(other)))
+    assert proxy.Linear is nn.Linear
 
 
 @needs_kernels

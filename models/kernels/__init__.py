@@ -33,6 +33,7 @@ import contextlib
 import logging
 import os
 import threading
+import types
 
 log = logging.getLogger("mixbit.models")
 
@@ -187,9 +188,10 @@ def gated_delta(q, k, v, g, beta, state, mask=None):
     return mx.array(y), mx.array(new)
 
 
-def depthwise_conv(x, w_t):
+def depthwise_conv(x, w_t, then_silu: bool = False):
     """GatedDeltaNet's causal depthwise convolution: x [B, L, C], w_t [K, C] (MLX's Conv1d weight
-    [C, K, 1] transposed) -> [B, L - K + 1, C] float32, what `mx.conv1d(x, w, groups=C)` gives."""
+    [C, K, 1] transposed) -> [B, L - K + 1, C] float32, what `mx.conv1d(x, w, groups=C)` gives;
+    with `then_silu`, the SiLU of it (on the kernel, in place)."""
     import mlx.core as mx
 
     start()
@@ -199,6 +201,8 @@ def depthwise_conv(x, w_t):
     mx.eval(x, w_t)
     y = _output((B, L - Kc + 1, C))
     _qkernel.depthwise_conv(x, w_t, y, B, L - Kc + 1, Kc, C)
+    if then_silu:
+        _qkernel.silu(y, None, y, y.size)
     return mx.array(y)
 
 
@@ -328,7 +332,7 @@ def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
         mx.eval(x)
         out["prompt"] = {name: _time(lambda mode=mode: matmul(x * 1.0, w, s, b, bits, group, mode=mode), 1)
                          for name, mode in prompt.items()}
-    del dense
+    dense = None  # the closures above are done with it
     mx.clear_cache()  # the next shape's copies must not stack on this one's
     return out
 
@@ -417,6 +421,11 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             "kernel_ms_1row": round(t[1]["kernel"] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
             "prefill_from_rows": choice.get(key, (None,))[0], "prefill": choice.get(key, (None, None))[1]})
     if summary["packed"]:  # real size: GatedDeltaNet's short convolutions and the SiLUs too
+        for _, module in model.named_modules():
+            conv = module.get("conv1d") if isinstance(module, nn.Module) else None
+            if isinstance(conv, nn.Module) and _depthwise(conv) and _silu_follows_conv(module):
+                conv._fuse_silu = True
+                _install_silu_done(module)
         for _, module in model.named_modules():
             if _depthwise(module):
                 # evaluated here: MLX streams are per thread, and the engine's thread could not
@@ -558,8 +567,16 @@ def _classes():
             return matmul(x, self["weight"], mode=mode)
 
     class DepthwiseConv1d(nn.Conv1d):
+        _fuse_silu = False  # serve(): where the layer applies nn.silu to this output next
+
         def __call__(self, x):
-            return depthwise_conv(x, self._w_t)
+            if not self._fuse_silu or (x.shape[1] - self._w_t.shape[0] + 1) * x.shape[0] * x.shape[2] < ACT_MIN:
+                return depthwise_conv(x, self._w_t)  # decode rows: the SiLU stays MLX's op
+            # a prompt: the SiLU that follows in GatedDeltaNet runs here, and the nn.silu the
+            # layer applies next gives this output back as it is (_SiluDone)
+            y = depthwise_conv(x, self._w_t, then_silu=True)
+            _silu_done.y = y
+            return y
 
     return PackedLinear, PackedEmbedding, Bf16Linear, Bf16Embedding, DepthwiseConv1d
 
@@ -581,6 +598,53 @@ def _activated_classes() -> dict:
             return silu(gate, x).astype(hidden_states.dtype)
 
     return {"Qwen3NextMLP": MLP, "Qwen3NextRMSNormGated": RMSNormGated}
+
+
+_silu_done = threading.local()  # the last convolution output that has had its SiLU, per thread
+
+
+class _SiluDone(types.ModuleType):
+    """`nn` as the module of mlx-lm's GatedDeltaNet sees it once its convolution runs on the
+    kernels: mlx.nn, except that nn.silu returns the convolution's output as it is when the
+    kernel has applied the SiLU already (MLX's Linux build computes exp one value at a time: ~23
+    ms a layer for a 256-token prompt on one core). Any other array, and every other name, is
+    mlx.nn's. mixbit does not copy mlx-lm's forward; this is the one seam inside it."""
+
+    def __init__(self, nn):
+        super().__init__(nn.__name__)
+        self._nn = nn
+
+    def __getattr__(self, name):
+        return getattr(self._nn, name)
+
+    def silu(self, x):
+        if getattr(_silu_done, "y", None) is x:
+            _silu_done.y = None
+            return x
+        return self._nn.silu(x)
+
+
+def _silu_follows_conv(module) -> bool:
+    """Whether `module`'s forward applies nn.silu straight to its conv1d's output (mlx-lm's
+    GatedDeltaNet: `nn.silu(self.conv1d(conv_input))`), read from its source."""
+    import inspect
+
+    try:
+        src = inspect.getsource(type(module).__call__)
+    except (OSError, TypeError):
+        return False
+    return "nn.silu(self.conv1d(" in src.replace(" ", "")
+
+
+def _install_silu_done(module) -> None:
+    """Routes `nn` of the module that defines `module`'s class (mlx-lm's qwen3_5) through
+    _SiluDone, once."""
+    import sys
+
+    namespace = sys.modules.get(type(module).__module__)
+    nn = getattr(namespace, "nn", None)
+    if nn is not None and not isinstance(nn, _SiluDone):
+        namespace.nn = _SiluDone(nn)
 
 
 try:
