@@ -156,3 +156,26 @@ def test_server_serves_a_variant_packed_from_its_own_thread(tmp_path):
         assert "a decode step failed" not in s.log_path.read_text()
     finally:
         s.stop()
+
+
+def test_engine_keeps_a_decode_steps_buffers_in_mlx_cache(loaded_tiny):
+    """MLX's CPU buffer cache (32 MB by default) must hold what a decode step frees and
+    allocates again at the engine's batch size (its logits, GatedDeltaNet states), or each comes
+    from a fresh mapping: the limit is raised to 4x the largest, never lowered."""
+    from mixbit.server.engine import Engine, step_buffer_bytes
+
+    model = loaded_tiny.model
+    text = getattr(model, "language_model", model).model
+    vocab = text.embed_tokens.weight.shape[0]
+    gdn = next(m for _, m in model.named_modules() if type(m).__name__ == "GatedDeltaNet")
+    state = gdn.num_v_heads * gdn.head_v_dim * gdn.head_k_dim
+    assert step_buffer_bytes(model, 256) == 4 * 256 * max(vocab, state)
+    before = mx.set_cache_limit(32 << 20)
+    try:
+        engine = Engine(model, loaded_tiny.tokenizer, max_batch=256)
+        assert engine.mlx_cache_limit == 4 * step_buffer_bytes(model, 256) > 32 << 20
+        assert mx.set_cache_limit(1 << 40) == engine.mlx_cache_limit
+        Engine(model, loaded_tiny.tokenizer, max_batch=1)  # a second, smaller engine: kept
+        assert mx.set_cache_limit(1 << 40) == 1 << 40
+    finally:
+        mx.set_cache_limit(before)
