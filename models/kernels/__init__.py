@@ -93,6 +93,11 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
 FLOAT, INT8, BLAS, TILES = 0, 1, 2, 3  # the kernel's modes (qkernel.c)
 PROMPT_ROWS = 256  # the rows at which the prompt paths (BLAS, TILES) are compared: a prefill chunk
 PROMPT_PATHS = {"blas": BLAS, "tiles": TILES}
+# Dense float32 must also win at this many rows (a decode batch), timed right after a kernel
+# call: inside a decode step MLX's dense matmul goes through OpenBLAS, whose threads then compete
+# with the kernels' (the 0.8B shape's 512 x 1024 k/v projections: 0.07 ms dense against 0.17 on
+# the kernel for one row, but 15-30 ms of a batch-8 step dense against 2 ms on the kernel).
+DENSE_CHECK_ROWS = 8
 
 
 SCRATCH_BYTES = 32 << 20  # kernel output buffers kept for reuse, per thread, in all
@@ -322,7 +327,12 @@ def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
                                                  for _ in range(chain)]
         if m == 1:
             kinds["dense"] = lambda: mx.eval([mx.matmul(x, dense.T) for _ in range(chain)])
+        elif m == DENSE_CHECK_ROWS:  # dense right after a kernel call, as in a decode step
+            kinds["kernel+dense"] = lambda: [(matmul(x * 1.0, w, s, b, bits, group), mx.eval(mx.matmul(x, dense.T)))
+                                             for _ in range(chain)]
         out[m] = {name: _time(fn, max(1, reps // chain)) / chain for name, fn in kinds.items()}
+        if "kernel+dense" in out[m]:
+            out[m]["dense"] = max(0.0, out[m].pop("kernel+dense") - out[m]["kernel"])
         if "dense" in out[m]:
             out[m]["dense"] *= n / part
         if m > 1 and min((out[m][p] for p in prompt), default=float("inf")) < out[m]["kernel"]:
@@ -341,7 +351,8 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
           small: int = SMALL) -> dict:
     """Chooses, per layer shape, how each quantized or bfloat16 projection runs on the CPU, by
     timing it here (`measure`): "auto" keeps a layer packed on the kernel unless dense float32
-    measured faster for one decode row and its dense weight fits `dense_budget` (bytes, over
+    measured faster for one decode row and for a batch of DENSE_CHECK_ROWS (after a kernel
+    call, as in a decode step) and its dense weight fits `dense_budget` (bytes, over
     all such layers); "packed" keeps every supported layer packed. A packed layer multiplies
     prompts (rows >= its measured crossover) on the AMX tiles or through tiles of dequantized
     weight and BLAS, whichever measured faster for a prefill chunk of that layer.
@@ -366,11 +377,12 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             timings[key] = measure(module)
     # dense where it measured faster for one row, largest gain per byte first, within budget
     budget = dense_budget if mode == "auto" else 0
-    # dense where it measured faster for one row (on two cores, mixing OpenBLAS's threads with
-    # the kernels' in one decode step costs more than either: a layer goes dense only if it wins
-    # by a margin)
+    # dense where it measured faster for one row by a margin and for a decode batch right after
+    # a kernel call (on two cores, mixing OpenBLAS's threads with the kernels' in one decode
+    # step costs more than either; DENSE_CHECK_ROWS)
     def prefer_dense(key, t):
-        return t[1]["dense"] * 1.25 < t[1]["kernel"]
+        several = t.get(DENSE_CHECK_ROWS, {})
+        return t[1]["dense"] * 1.25 < t[1]["kernel"] and several.get("dense", 0.0) < several.get("kernel", 1.0)
 
     gains = sorted(((t[1]["kernel"] - t[1]["dense"], key) for key, t in timings.items()
                     if prefer_dense(key, t)), reverse=True)

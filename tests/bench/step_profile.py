@@ -52,6 +52,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     lm = load(resolve(args.folder, allow_download=False), path=Path(args.folder), cpu_quantized=args.mode)
     model = lm.model
+    from mixbit.server.engine import keep_step_buffers
+
+    keep_step_buffers(model, max(int(b) for b in args.batch.split(",")))  # as the engine does
     print(f"loaded in {time.perf_counter() - t0:.1f} s; kernels {kernels.info()}")
     if lm.cpu_plan:
         print("\n| out | in | bits | group | runs | kernel ms (1 row) | dense ms (1 row) | prompt from rows | prompt path |")
