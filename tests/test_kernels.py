@@ -60,6 +60,19 @@ def test_leading_dimensions_and_dtypes():
 
 
 @needs_kernels
+def test_float32_views_as_inputs():
+    """A float32 input goes to the kernel as it is (no copy, no new MLX node): a slice with an
+    offset, a transposed view (refused by the kernel, then copied) and a broadcast one."""
+    x, w, s, b = _case(12, 40, 256, 4, 64)
+    big = mx.random.normal((3, 12, 256))
+    for view in (big[1], big[:, 5], x.T.T, mx.transpose(mx.random.normal((256, 7))),
+                 mx.broadcast_to(x[:1], (5, 256))):
+        ref = _reference(mx.contiguous(view), w, s, b, 4, 64)
+        np.testing.assert_allclose(np.array(kernels.matmul(view, w, s, b, 4, 64)), ref, rtol=1e-4,
+                                   atol=1e-4 * np.abs(ref).max())
+
+
+@needs_kernels
 def test_bad_buffers_are_errors_not_crashes():
     x, w, s, b = _case(2, 16, 128, 4, 64)
     out = np.empty((2, 16), np.float32)

@@ -156,14 +156,28 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     for d in lead:
         m *= d
     n = weight.shape[0]
+    out = _output((m, n))
+    args = ((weight, weight, weight, out, m, n, k, 16, 0, mode) if bits == 16 else
+            (weight, scales, biases, out, m, n, k, bits, group_size, mode))
+
+    def call(x2):
+        _qkernel.matmul(x2, *args)
+
+    # Every evaluation of a new MLX node costs ~75 us on the CPU (the stream's thread hand-off),
+    # so a float32 input is passed as it is: the projections that share an input (q/k/v, z,
+    # gate/up) then find it evaluated. A strided one is refused by the kernel and copied.
+    if x.dtype == mx.float32:
+        mx.eval(x)
+        try:
+            call(x)
+            return mx.array(out.reshape(*lead, n))
+        except ValueError as exc:
+            if "contiguous" not in str(exc):
+                raise
     x2 = mx.contiguous(x.reshape(m, k).astype(mx.float32))
     mx.eval(x2)
-    out = _output((m, n))
-    if bits == 16:
-        _qkernel.matmul(x2, weight, weight, weight, out, m, n, k, 16, 0, mode)
-    else:
-        _qkernel.matmul(x2, weight, scales, biases, out, m, n, k, bits, group_size, mode)
-    return mx.array(out).reshape(*lead, n)
+    call(x2)
+    return mx.array(out.reshape(*lead, n))
 
 
 def gated_delta(q, k, v, g, beta, state, mask=None):
