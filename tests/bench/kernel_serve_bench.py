@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import os
 import random
-import shutil
 import subprocess
 import sys
 import threading
@@ -167,6 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="llama", help="comma-separated: llama, mlx_lm (slow), none")
     ap.add_argument("--llama-quants", default="Q4_K_M,bf16")
     ap.add_argument("--build-llama", action="store_true")
+    ap.add_argument("--llama-args", default="",
+                    help="more llama-server flags, e.g. --llama-args=--no-repack: a build with AMX "
+                         "(-march=native on Sapphire Rapids) crashed in ggml_backend_amx_mul_mat at "
+                         "load here; --no-repack keeps its weights off the AMX/repacked layouts")
     ap.add_argument("--requests", type=int, default=4, help="requests at c=1 (c=8 sends 8)")
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -199,7 +202,7 @@ def main(argv=None) -> int:
                     return Server(f"llama-{model.stem}", [
                         str(src / "build" / "bin" / "llama-server"), "-m", str(model), "-t", "2",
                         "-np", "8", "-c", str(8 * (args.prompt_tokens + args.max_tokens + 64)),
-                        "--port", str(p), "--host", "127.0.0.1"], p)
+                        "--port", str(p), "--host", "127.0.0.1", *args.llama_args.split()], p)
                 servers.append((f"llama-server {q}", make, model.stem, "/health", str(model)))
     if "mlx_lm" in peers:
         for recipe in [v for v in args.variants.split(",") if v]:
