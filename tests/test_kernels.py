@@ -185,6 +185,33 @@ def test_tiles_mode_for_prompts_matches(bits, group):
 
 
 @needs_kernels
+@needs_tiles
+def test_tiles_mode_from_threads_that_end():
+    """x's parts live in buffers kept per thread and freed when the thread ends (engine restarts
+    start new threads): several threads, each its own prompt, then gone."""
+    import threading
+
+    x, w, s, b = _case(300, 64, 512, 4, 64)
+    ref = _reference(x, w, s, b, 4, 64)
+    got = {}
+
+    def work(i):
+        mx.eval(x, w, s, b)
+        got[i] = np.array(kernels.matmul(x, w, s, b, 4, 64, mode=kernels.TILES))
+
+    for _ in range(2):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 3
+        for out in got.values():
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        got.clear()
+
+
+@needs_kernels
 def test_tiles_mode_refuses_what_it_cannot_do():
     x, w, s, b = _case(40, 48, 256, 4, 64)
     out = np.empty((40, 48), np.float32)

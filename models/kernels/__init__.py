@@ -145,8 +145,8 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     or a bfloat16 `weight` (bits=16). Returns float32 [..., N]. `mode`: FLOAT (float32 FMAs on
     the packed weights, for a few rows), BLAS (dequantized in tiles and multiplied by
     cblas_sgemm, for many rows), TILES (AMX: the unpacked weights times x split exactly into
-    three bfloat16 parts, for many rows; where tiles_support), INT8 (activations quantized to int8 per group and multiplied
-    with VNNI: measured, not used - see docs/cpu-serving.md)."""
+    three bfloat16 parts, for many rows, where tiles_support), INT8 (activations quantized to
+    int8 per group and multiplied with VNNI: measured, not used - see docs/cpu-serving.md)."""
     import mlx.core as mx
 
     start()

@@ -422,19 +422,42 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* A buffer kept per thread and slot, grown as needed (freed at thread exit: never, for the
- * engine's long-lived threads; it is at most 3 x TILE_MCHUNK x K x 2 bytes) */
-static _Thread_local void *tile_bufs[2];
-static _Thread_local size_t tile_caps[2];
+/* Buffers kept per thread (two slots), grown as needed and freed when the thread ends: at most
+ * 3 x TILE_MCHUNK x K x 2 bytes for x's parts, the rest for its group sums */
+typedef struct {
+    void *buf[2];
+    size_t cap[2];
+} TileBufs;
+
+static pthread_key_t tile_key;
+static pthread_once_t tile_once = PTHREAD_ONCE_INIT;
+
+static void tile_bufs_free(void *p) {
+    TileBufs *t = p;
+    free(t->buf[0]);
+    free(t->buf[1]);
+    free(t);
+}
+
+static void tile_key_make(void) { pthread_key_create(&tile_key, tile_bufs_free); }
 
 static void *tile_buffer(int slot, size_t bytes) {
-    if (tile_caps[slot] < bytes) {
-        free(tile_bufs[slot]);
-        bytes = (bytes + 4095) & ~(size_t)4095;
-        tile_bufs[slot] = aligned_alloc(4096, bytes);
-        tile_caps[slot] = tile_bufs[slot] ? bytes : 0;
+    pthread_once(&tile_once, tile_key_make);
+    TileBufs *t = pthread_getspecific(tile_key);
+    if (!t) {
+        t = calloc(1, sizeof *t);
+        if (!t || pthread_setspecific(tile_key, t) != 0) {
+            free(t);
+            return NULL;
+        }
     }
-    return tile_bufs[slot];
+    if (t->cap[slot] < bytes) {
+        free(t->buf[slot]);
+        bytes = (bytes + 4095) & ~(size_t)4095;
+        t->buf[slot] = aligned_alloc(4096, bytes);
+        t->cap[slot] = t->buf[slot] ? bytes : 0;
+    }
+    return t->buf[slot];
 }
 
 static int64_t tile_panel_blocks(int64_t K) {
