@@ -169,6 +169,15 @@ typedef struct {
     int chunk_bytes, gshift;
 } Unpack;
 
+/* Values c .. c + 63 of a packed row (c a multiple of 64), one byte each */
+AVX512 static inline __attribute__((always_inline)) __m512i unpack64(const Unpack *u, const uint8_t *row,
+                                                                     int64_t c) {
+    __m512i v = _mm512_maskz_loadu_epi8(u->lmask, row + (c >> 6) * u->chunk_bytes);
+    v = _mm512_permutexvar_epi8(u->perm, v);
+    v = _mm512_multishift_epi64_epi8(u->shift, v);
+    return _mm512_and_si512(v, u->vmask);
+}
+
 AVX512 static inline __attribute__((always_inline)) void affine_block(
         const Job *j, const Unpack *u, int64_t n, const float *xb, const float *xs, float *out,
         const int MB) {
@@ -191,10 +200,7 @@ AVX512 static inline __attribute__((always_inline)) void affine_block(
         for (int64_t c = c0; c < c0 + step; c += 64) {
             if (MB <= 4) /* with more rows a chunk is compute enough to hide the memory latency */
                 _mm_prefetch((const char *)(wr + PREFETCH_ROWS * row_bytes + (c >> 6) * u->chunk_bytes), _MM_HINT_T0);
-            __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c >> 6) * u->chunk_bytes);
-            v = _mm512_permutexvar_epi8(u->perm, v);
-            v = _mm512_multishift_epi64_epi8(u->shift, v);
-            v = _mm512_and_si512(v, u->vmask);
+            __m512i v = unpack64(u, wr, c);
             if (g >= 64) {
                 for (int t = 0; t < 4; t++) {
                     __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
@@ -327,10 +333,7 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
             __m512i qs = _mm512_setzero_si512();
             for (int m = 0; m < MB; m++) iacc[m] = _mm512_setzero_si512();
             for (int64_t c = gi * g; c < (gi + 1) * g; c += 64) {
-                __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c >> 6) * u->chunk_bytes);
-                v = _mm512_permutexvar_epi8(u->perm, v);
-                v = _mm512_multishift_epi64_epi8(u->shift, v);
-                v = _mm512_and_si512(v, u->vmask);
+                __m512i v = unpack64(u, wr, c);
                 qs = _mm512_dpbusd_epi32(qs, v, ones);
                 for (int m = 0; m < MB; m++)
                     iacc[m] = _mm512_dpbusd_epi32(iacc[m], v, _mm512_loadu_si512(xb + m * K + c));
@@ -345,10 +348,7 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
     } else { /* g == 32: a chunk of 64 holds two groups, lanes 0-7 and 8-15 */
         for (int64_t c = 0; c < K; c += 64) {
             const int64_t gi = c >> 5;
-            __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c >> 6) * u->chunk_bytes);
-            v = _mm512_permutexvar_epi8(u->perm, v);
-            v = _mm512_multishift_epi64_epi8(u->shift, v);
-            v = _mm512_and_si512(v, u->vmask);
+            __m512i v = unpack64(u, wr, c);
             const __m512 qsf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, ones));
             for (int m = 0; m < MB; m++) {
                 __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
@@ -524,10 +524,7 @@ AMX static void tiles_pack(const Job *j, const Unpack *u, int64_t cb0, int64_t c
         }
         const uint8_t *wr = j->w + n * (K * j->bits / 8);
         for (int64_t c64 = 0; c64 < K; c64 += 64) {
-            __m512i v = _mm512_maskz_loadu_epi8(u->lmask, wr + (c64 >> 6) * u->chunk_bytes);
-            v = _mm512_permutexvar_epi8(u->perm, v);
-            v = _mm512_multishift_epi64_epi8(u->shift, v);
-            v = _mm512_and_si512(v, u->vmask);
+            __m512i v = unpack64(u, wr, c64);
             __m512 f[4];
             for (int t = 0; t < 4; t++)
                 f[t] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, t)));
@@ -695,10 +692,7 @@ AVX512 static void deq_rows_avx512(const Job *j, float *dst, int64_t n0, int64_t
         const uint8_t *wr = j->w + n * row_bytes;
         float *d = dst + (n - n0) * K;
         for (int64_t c = 0; c < K; c += 64) {
-            __m512i v = _mm512_maskz_loadu_epi8(u.lmask, wr + (c >> 6) * u.chunk_bytes);
-            v = _mm512_permutexvar_epi8(u.perm, v);
-            v = _mm512_multishift_epi64_epi8(u.shift, v);
-            v = _mm512_and_si512(v, u.vmask);
+            __m512i v = unpack64(&u, wr, c);
             for (int t = 0; t < 4; t++) {
                 const int64_t gi = (c + 16 * t) >> u.gshift;
                 __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
@@ -1304,7 +1298,7 @@ static PyObject *py_force_portable(PyObject *self, PyObject *args) {
     have_avx512 = on ? 0 : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl"));
     have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
-    have_amx = on ? 0 : amx_enable();
+    have_amx = have_avx512 && amx_enable();
 #endif
     Py_RETURN_NONE;
 }
