@@ -116,3 +116,38 @@ def test_every_argument_type_survives_the_chat_template_and_the_servers_parser(s
         got = [(c.name, c.arguments) for c in parsed.tool_calls]
         want = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
         assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+
+
+def test_training_renames_parameters_and_objects_and_held_out_sets_never_change(monkeypatch):
+    """Training shows composed parameter names and made-up objects (so a name is copied from the
+    offered schema, not recalled), never a held-out name; the rates are training-only: every
+    held-out prompt is the same whatever they are."""
+    trained = {n for c in T.CONCEPTS.values() for n in c.names[:-1]}
+    objects = {o.words for o in T.OBJECTS} | {o.plural for o in T.OBJECTS}
+    composed, made_up = set(), set()
+    for doc in _training_docs(600, seed=5):
+        for tool in doc["tools"] or []:
+            fn = tool["function"]
+            if doc["kind"].startswith("gen") and "_" in fn["name"]:
+                noun = fn["name"].split("_", 1)[1].replace("_", " ")
+                made_up |= {noun} - objects - {f.name for f in corpus.C.FUNCTIONS}
+            composed |= set(fn["parameters"]["properties"]) - trained
+    assert len(composed) > 150 and not composed & T.HELDOUT_PARAM_NAMES
+    assert len(made_up) > 30
+
+    def held_out():
+        return [json.dumps([p.messages, p.tools, p.expected], sort_keys=True)
+                for p in corpus.unseen_tool_prompts(40) + corpus.unseen_no_fit_prompts(20)
+                + corpus.unseen_plain_prompts(20) + corpus.unseen_two_tool_prompts(10)]
+
+    before = held_out()
+    monkeypatch.setattr(T, "RENAME_PARAM", 1.0)
+    monkeypatch.setattr(T, "MADE_UP_OBJECT", 1.0)
+    assert held_out() == before
+    monkeypatch.setattr(T, "RENAME_PARAM", 0.0)
+    monkeypatch.setattr(T, "MADE_UP_OBJECT", 0.0)
+    assert held_out() == before
+    plain = {n for d in _training_docs(200, seed=5) for t in d["tools"] or []
+             if d["kind"].startswith("gen") for n in t["function"]["parameters"]["properties"]}
+    assert plain <= trained | {n for f in corpus.C.FUNCTIONS for n in
+                               f.schema()["function"]["parameters"]["properties"]}

@@ -30,9 +30,9 @@ WARMUP_MIX = {"tool": 0.30, "parallel": 0.02, "no_tool": 0.06, "chat": 0.05, "co
 # decoys, gen_two two functions in one request, gen_no_fit a request no offered tool fits,
 # agent a long loop over one tool set, no_tool_gen a question needing no tool with generated
 # tools offered. The catalogue's kinds stay a part of it.
-TOOLSPACE_MIX = {"tool": 0.17, "parallel": 0.03, "gen_tool": 0.22, "gen_two": 0.04,
-                 "gen_no_fit": 0.08, "agent": 0.05, "no_tool": 0.07, "no_tool_gen": 0.06,
-                 "chat": 0.07, "code": 0.04, "json": 0.07, "copy": 0.10}
+TOOLSPACE_MIX = {"tool": 0.14, "parallel": 0.03, "gen_tool": 0.22, "gen_two": 0.05,
+                 "gen_no_fit": 0.12, "agent": 0.05, "no_tool": 0.07, "no_tool_gen": 0.07,
+                 "chat": 0.06, "code": 0.03, "json": 0.06, "copy": 0.10}
 TOOLSPACE_WARMUP_MIX = {"tool": 0.20, "parallel": 0.02, "gen_tool": 0.15, "no_tool": 0.05,
                         "chat": 0.05, "code": 0.02, "json": 0.08, "copy": 0.43}
 # held-out documents of the generated kinds alone (their loss per kind, beside MIX's kinds)

@@ -13,6 +13,10 @@ hash falls in 1 of 8, every function of the HELDOUT_OBJECTS (nouns no trained to
 the last parameter name of every concept (an unseen function has at least one). Requests that no
 offered tool fits (decoys share the request's verb or its object) teach the model to answer
 instead of calling.
+
+Training also renames (`RENAME_PARAM`, `MADE_UP_OBJECT`): some parameters go under names composed
+on the fly and some objects are made-up words, so a name can only be got right by copying it from
+the offered schema or the request, never by recalling it; an unseen function needs exactly that.
 """
 
 from __future__ import annotations
@@ -317,6 +321,40 @@ HELDOUT_OBJECTS = {"garden bed", "insurance claim", "bike rental", "poll", "vet 
                    "museum tour", "slide deck", "loyalty card", "sleep log", "warehouse"}
 
 
+# ----------------------------------------------------------------------------- training-only names
+RENAME_PARAM = 0.5  # share of a training tool's parameters under a name composed on the fly
+MADE_UP_OBJECT = 0.25  # share of the functions a training request asks for whose object is made up
+_PREFIXES = ("new", "target", "primary", "requested", "main", "selected", "desired", "given",
+             "input", "chosen", "preferred", "wanted", "my", "the", "which")
+_SUFFIXES = ("value", "text", "field", "param", "arg", "info", "entry", "data", "spec", "str", "input")
+HELDOUT_PARAM_NAMES = frozenset(c.names[-1] for c in CONCEPTS.values())
+
+
+def composed_param_name(concept: Concept, rng: random.Random) -> str:
+    """A parameter name for `concept` that no fixed list holds: a trained name with a prefix or
+    a suffix ("target_city", "quantity_value"), or a made-up word; never a held-out name."""
+    while True:
+        core, r = rng.choice(concept.names[:-1]), rng.random()
+        if r < 0.4:
+            name = f"{rng.choice(_PREFIXES)}_{core}"
+        elif r < 0.8:
+            name = f"{core}_{rng.choice(_SUFFIXES)}"
+        else:
+            name = C.made_up_word(rng).lower()
+        if name not in HELDOUT_PARAM_NAMES:
+            return name
+
+
+def made_up_object(obj: Obj, rng: random.Random) -> Obj:
+    """`obj`'s verbs and argument concepts under a made-up noun ("a new zuvaleth")."""
+    word = C.made_up_word(rng).lower()
+    return Obj(word, word + "s", obj.verbs, obj.concepts)
+
+
+def _rename(split: str) -> float:
+    return RENAME_PARAM if split == "train" else 0.0
+
+
 def _name_of(verb: str, obj: Obj) -> str:
     return f"{verb}_{(obj.plural if VERBS[verb].plural else obj.words).replace(' ', '_')}"
 
@@ -354,8 +392,9 @@ def _article(words: str) -> str:
     return ("an " if words[0] in "aeiou" else "a ") + words
 
 
-def make_tool(verb: str, obj: Obj, rng: random.Random, split: str) -> Tool:
-    """A function for (verb, obj): 1-3 of the object's concepts, each under one of its names."""
+def make_tool(verb: str, obj: Obj, rng: random.Random, split: str, rename: float = 0.0) -> Tool:
+    """A function for (verb, obj): 1-3 of the object's concepts, each under one of its names
+    (a share `rename` under a composed one instead)."""
     concepts = obj.concepts.split()
     n = rng.choices((1, 2, 3), weights=(0.35, 0.45, 0.2))[0]
     picked = [concepts[0]] if verb in ("get", "delete", "cancel", "track", "check") else []
@@ -369,6 +408,9 @@ def make_tool(verb: str, obj: Obj, rng: random.Random, split: str) -> Tool:
     if split == "unseen" and not any(p == CONCEPTS[k].names[-1] for k, p in params):
         k = rng.randrange(len(params))
         params[k] = (params[k][0], CONCEPTS[params[k][0]].names[-1])
+    if rename:
+        params = [(key, composed_param_name(CONCEPTS[key], rng) if rng.random() < rename else p)
+                  for key, p in params]
     v = VERBS[verb]
     desc = v.description.format(o=obj.words, os=obj.plural)
     if rng.random() < 0.4:
@@ -456,7 +498,7 @@ def _other_tools(exclude: set[str], split: str, rng: random.Random, n: int,
         return split == "unseen" or not unseen_pair(v, o)
 
     def add(v: str, o: Obj) -> None:
-        out.append(make_tool(v, o, rng, "unseen" if unseen_pair(v, o) else "train"))
+        out.append(make_tool(v, o, rng, "unseen" if unseen_pair(v, o) else "train", _rename(split)))
         exclude.add(out[-1].name)
 
     out: list[Tool] = []
@@ -487,7 +529,9 @@ def _offer(right: list[Tool], others: list[Tool], rng: random.Random) -> list[di
 
 def _pick(rng: random.Random, split: str) -> Tool:
     verb, obj = rng.choice(pairs(split))
-    return make_tool(verb, obj, rng, split)
+    if split == "train" and rng.random() < MADE_UP_OBJECT:
+        obj = made_up_object(obj, rng)
+    return make_tool(verb, obj, rng, split, _rename(split))
 
 
 def _think_call(tools: list[Tool]) -> str:
