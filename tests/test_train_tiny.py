@@ -127,3 +127,33 @@ def test_throughput_times_steps_and_trains_nothing(tmp_path):
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["tok_per_s"] > 0 and report["precision"] == "fp32" and report["compiled"] is False
     assert not (tmp_path / "out").exists() and not (tmp_path / "work" / "checkpoint.pt").exists()
+
+
+def test_a_second_stage_starts_from_a_written_model(tmp_path):
+    """init_from loads a folder train-tiny wrote (weights and tokenizer): at learning rate 0 the
+    second stage writes back exactly the weights it started from; another shape is refused."""
+    import torch
+    from safetensors.torch import load_file
+
+    first = ["train-tiny", "--out", str(tmp_path / "one"), "--work-dir", str(tmp_path / "w1")]
+    for item in TOY:
+        first += ["--train", item]
+    assert run_cli(*first).returncode == 0
+    second = ["train-tiny", "--out", str(tmp_path / "two"), "--work-dir", str(tmp_path / "w2")]
+    for item in TOY + ["steps=1", "lr=0", "weight_decay=0", "mix=toolspace",
+                       f"init_from={tmp_path / 'one'}"]:
+        second += ["--train", item]
+    r = run_cli(*second)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "starting from the weights of" in r.stdout + r.stderr
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("one", "two"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from transformers import AutoTokenizer
+
+    one, two = (AutoTokenizer.from_pretrained(str(tmp_path / d)) for d in ("one", "two"))
+    text = 'Call get_weather({"city": "Oslo"}) <|im_start|>assistant\nZuvaleth 42.5'
+    assert one.get_vocab() == two.get_vocab() and one.encode(text) == two.encode(text)
+    assert one.chat_template == two.chat_template
+    wider = [x.replace("hidden_size=128", "hidden_size=256") for x in second]
+    r = run_cli(*[str(tmp_path / "w3") if x == str(tmp_path / "w2") else x for x in wider])
+    assert r.returncode != 0 and "another shape (hidden_size" in r.stderr

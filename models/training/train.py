@@ -59,6 +59,13 @@ class TrainConfig:
     # the corpus.MIXES entry the tokenizer is trained on ("": `mix`); with a staged curriculum,
     # "catalogue" tokenizes the pre-phase's documents as the shipped model's tokenizer does
     tokenizer_mix: str = ""
+    # a second stage: start from the weights and tokenizer of a model folder this command wrote
+    # (the same shape), e.g. the shipped model, then train on `mix`; no tokenizer is trained
+    init_from: str = ""
+    # the generated tool space's training-only names (toolspace.py): the share of parameters
+    # under composed names and of requested functions whose object is a made-up word
+    rename_param: float = 0.5
+    made_up_object: float = 0.25
     # copy-first phase: short rows of copy drills and short chats before anything else
     copy_phase_steps: int = 0
     copy_phase_seq_len: int = 256
@@ -160,6 +167,7 @@ def step_batch(cfg: TrainConfig, step: int, tokenizer, fast) -> tuple[list[list[
     """Packed rows for one optimizer step, drawn from a generator seeded by (seed, step)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     mix, width, n_rows = phase(cfg, step)
+    corpus.T.RENAME_PARAM, corpus.T.MADE_UP_OBJECT = cfg.rename_param, cfg.made_up_object
     eot = fast.token_to_id("<|endoftext|>")
 
     def draw() -> tuple[list[int], list[float]]:
@@ -220,6 +228,10 @@ def ensure_tokenizer(cfg: TrainConfig, work: Path):
     from ..tokenizer import build_tokenizer, write_tokenizer_files
 
     tok_dir = work / "tokenizer"
+    if cfg.init_from and not (tok_dir / "tokenizer.json").exists():
+        tmp = tok_dir.with_suffix(".tmp")
+        AutoTokenizer.from_pretrained(cfg.init_from).save_pretrained(str(tmp))
+        tmp.rename(tok_dir)
     if not (tok_dir / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast
 
@@ -250,6 +262,28 @@ def build_model(cfg: TrainConfig, tokenizer):
     config = Qwen3_5TextConfig(**kwargs)
     torch.manual_seed(cfg.seed)
     return Qwen3_5ForCausalLM(config).float(), tc
+
+
+def load_published(model, text_config: dict, folder: Path) -> None:
+    """Loads a folder written by export_checkpoint into the training module, in float32."""
+    from safetensors.torch import load_file
+
+    theirs = json.loads((folder / "config.json").read_text())["text_config"]
+    shape = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "layer_types",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+             "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+             "tie_word_embeddings")
+    differ = [k for k in shape if theirs.get(k) != text_config.get(k)]
+    if differ:
+        raise SystemExit(f"init_from {folder}: another shape ({', '.join(differ)} differ)")
+    prefix = "model.language_model."
+    state = {("model." + k[len(prefix):] if k.startswith(prefix) else k): v.float()
+             for k, v in load_file(str(folder / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if text_config.get("tie_word_embeddings") else set()
+    if set(missing) - tied or unexpected:
+        raise SystemExit(f"init_from {folder}: missing {sorted(set(missing) - tied)}, "
+                         f"unexpected {sorted(unexpected)}")
 
 
 def _cpu_has_bf16() -> bool:
@@ -313,6 +347,9 @@ def train(cfg: TrainConfig, max_minutes: float | None = None, log=print) -> Path
         opt.load_state_dict(state["opt"])
         step, history, spent = state["step"], state["history"], state.get("seconds", 0.0)
         log(f"resuming at step {step}")
+    elif cfg.init_from:
+        load_published(model, tc, Path(cfg.init_from))
+        log(f"starting from the weights of {cfg.init_from}")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters, {cfg.steps} steps of "
         f"{cfg.batch_rows}x{cfg.seq_len} tokens, {'bfloat16 autocast' if use_bf16(cfg) else 'float32'}"
