@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, _BaseCache
 
-from ..models.kernels import prompt_logits_unused
+from ..models.kernels import engine_step
 
 from .sampling import SamplingParams, greedy, make_processors, make_sampler
 
@@ -492,7 +492,7 @@ class Engine:
         self.stats.cached_tokens_total += seq.cached
 
     def _step(self, gen: BatchGenerator) -> None:
-        with prompt_logits_unused():  # the kernels leave prompt logits lazy (never computed)
+        with engine_step():  # prompt logits left lazy, the logits' normalisation on the kernels
             prompt_responses, responses = gen.next()
         # keep the prompt's cache at each checkpoint and without its last token, so a resend of
         # the same prefix (a conversation's next turn, another one with the same system prompt)

@@ -5,6 +5,8 @@ the dense model gives."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -386,3 +388,90 @@ def test_load_time_measurement_never_builds_a_whole_dense_copy(monkeypatch):
     assert mx.get_peak_memory() - base < dense_bytes / 4, mx.get_peak_memory() - base
     assert timings[1]["dense"] > 0 and timings[1]["kernel"] > 0
     assert mx.get_cache_memory() < dense_bytes / 4  # nothing left behind for the next shape
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+def test_logsumexp_matches_a_float64_reference(portable):
+    """The normalisation of a real vocabulary's logits (248,320 a row, batch 1 and 8, grammar-masked
+    and logit-biased entries among them) against float64, at least as close as MLX's own; the
+    edge rows as MLX gives them; other inputs are MLX's op itself."""
+    kernels._qkernel.force_portable(portable)
+    try:
+        mx.random.seed(5)
+        for rows in (1, 8):
+            x = np.array(mx.random.normal((rows, 248320)) * 6)
+            x[:, :1000] = -np.inf  # a grammar mask
+            x[:, 1000:1010] -= 100.0  # logit_bias
+            want = np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
+            got = kernels.logsumexp(mx.array(x), axis=-1, keepdims=True)
+            mlx_err = np.abs(np.array(mx.logsumexp(mx.array(x), axis=-1, keepdims=True)) - want).max()
+            assert got.shape == (rows, 1) and got.dtype == mx.float32
+            assert np.abs(np.array(got) - want).max() <= max(mlx_err, 3e-5)
+        n = kernels.LSE_MIN
+        edge = np.zeros((5, n), np.float32)
+        edge[0] = -np.inf
+        edge[1, 7] = np.inf
+        edge[2, n // 2] = np.nan
+        edge[3, :-1], edge[3, -1] = -np.inf, 3.0
+        edge[4] = 1e30
+        got = np.array(kernels.logsumexp(mx.array(edge), axis=-1))
+        assert got[0] == -np.inf and got[1] == np.inf and np.isnan(got[2]) and got[3] == 3.0
+        np.testing.assert_allclose(got[4], 1e30, rtol=1e-6)
+        b = mx.random.normal((2, n)).astype(mx.bfloat16)
+        assert kernels.logsumexp(b, axis=-1).dtype == mx.bfloat16
+        np.testing.assert_allclose(np.array(kernels.logsumexp(b, axis=-1).astype(mx.float32)),
+                                   np.array(mx.logsumexp(b, axis=-1).astype(mx.float32)), rtol=1e-2)
+        for a, kw in ((mx.random.normal((3, n - 1)), {"axis": -1}), (mx.random.normal((n, 2)), {"axis": 0}),
+                      (mx.random.normal((2, n)), {})):
+            assert np.array_equal(np.array(kernels.logsumexp(a, **kw)), np.array(mx.logsumexp(a, **kw)))
+        with pytest.raises(ValueError, match="y: 4 bytes, expected 8"):
+            kernels._qkernel.logsumexp(np.ones((2, 4), np.float32), np.empty(1, np.float32), 2, 4)
+    finally:
+        kernels._qkernel.force_portable(False)
+
+
+@needs_kernels
+def test_engine_steps_normalise_on_the_kernels(embedded_path, monkeypatch):
+    """mlx-lm's BatchGenerator normalises every decode step's logits; inside engine_step() that
+    runs on the kernels (here from 16 values a row, so the embedded model's 4,096 engage), outside
+    it MLX's op does. Greedy tokens are the same and the log-probabilities agree."""
+    import importlib
+
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load as mlx_load
+
+    generate = importlib.import_module("mlx_lm.generate")
+    model, tok = mlx_load(str(embedded_path))
+    model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
+    monkeypatch.setattr(kernels, "LSE_MIN", 16)
+    calls = []
+    real = kernels._qkernel.logsumexp
+    monkeypatch.setattr(kernels._qkernel, "logsumexp", lambda *a: calls.append(a[2:]) or real(*a))
+    prompts = [tok.encode("What's the weather in Oslo?"), tok.encode("Write a haiku about the sea.")]
+
+    def run(step):
+        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2)
+        uids = gen.insert(prompts, max_tokens=[6, 6])
+        out = {u: ([], []) for u in uids}
+        while len(out[uids[0]][0]) < 6:
+            with step():
+                _, responses = gen.next()
+            for r in responses:
+                out[r.uid][0].append(r.token)
+                out[r.uid][1].append(np.array(r.logprobs))
+        gen.close()
+        return [out[u] for u in uids]
+
+    mlx_run = run(contextlib.nullcontext)
+    assert not calls
+    kernel_run = run(kernels.engine_step)
+    assert calls and all(c == (2, 4096) or c == (1, 4096) for c in calls)
+    assert isinstance(generate.mx, kernels._StepMx)
+    for (t_mlx, lp_mlx), (t_k, lp_k) in zip(mlx_run, kernel_run):
+        assert t_mlx == t_k
+        np.testing.assert_allclose(np.array(lp_k), np.array(lp_mlx), atol=1e-4)
+    n = len(calls)
+    x = mx.random.normal((1, 4096))
+    np.testing.assert_array_equal(np.array(generate.mx.logsumexp(x, axis=-1)), np.array(mx.logsumexp(x, axis=-1)))
+    assert len(calls) == n  # outside a step, MLX's

@@ -204,12 +204,20 @@ def main(argv=None) -> int:
         "top_p 0.9, mixbit, flat row (falls back)": (mixbit_sampler(SamplingParams(temperature=0.7, top_p=0.9)),
                                                      flat),
         "top_k 40": (make_sampler(temp=0.7, top_k=40), peaked),
-        "logprobs (log-softmax)": (lambda x: x - mx.logsumexp(x, -1, keepdims=True), peaked),
+        "logprobs (log-softmax), MLX": (lambda x: x - mx.logsumexp(x, -1, keepdims=True), peaked),
+        "logprobs (log-softmax), kernels (the engine's steps)": (
+            lambda x: x - kernels.logsumexp(x, -1, keepdims=True), peaked),
     }
     print(f"\n### sampling over {v} tokens (one row)\n\n| sampler | ms |\n|---|---|")
     for name, (fn, row) in samplers.items():
         ms = _timed(lambda: mx.eval(fn(row)), 10) * 1e3
         print(f"| {name} | {ms:.2f} |")
+    # mlx-lm normalises every row of every decode step, whatever the sampler
+    rows8 = mx.concatenate([peaked] * 8)
+    mx.eval(rows8)
+    print("\n| log-sum-exp of a decode step's logits, batch 8 | ms |\n|---|---|")
+    for name, fn in (("MLX (`mx.logsumexp`)", mx.logsumexp), ("kernels (`kernels.logsumexp`)", kernels.logsumexp)):
+        print(f"| {name} | {_timed(lambda: mx.eval(fn(rows8, -1, keepdims=True)), 10) * 1e3:.2f} |")
     return 0
 
 
