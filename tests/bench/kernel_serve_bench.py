@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -44,6 +45,26 @@ GGUF = ROOT / ".cache" / "gguf"
 LLAMA_BUILD = ROOT / ".cache" / "llama.cpp"
 
 
+# ggml's x86 options by the /proc/cpuinfo flag that enables each
+GGML_X86 = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2",
+            "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+            "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
+
+
+def cpu_flags() -> list[str]:
+    """cmake flags for this CPU's SIMD, AMX left out. A native build (-march=native) on an AMX Xeon
+    crashed at load in ggml_backend_amx_mul_mat (a segmentation fault, gdb backtrace; llama.cpp
+    from the llama-cpp-python 0.3.36 sdist), so the build names every other extension itself."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["-DGGML_NATIVE=ON"]
+    try:
+        have = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{k}={'ON' if v in have else 'OFF'}" for k, v in GGML_X86.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
 def build_llama() -> Path:
     """llama.cpp from the llama-cpp-python sdist; returns the source tree."""
     LLAMA_BUILD.mkdir(parents=True, exist_ok=True)
@@ -57,7 +78,7 @@ def build_llama() -> Path:
     src = trees[-1]
     if not (src / "build" / "bin" / "llama-server").exists():
         subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                        "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_OPENSSL=OFF", *cpu_flags(), "-DLLAMA_BUILD_TESTS=OFF",
                         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], cwd=src, check=True)
         subprocess.run(["cmake", "--build", "build", "-j2", "--target", "llama-server", "llama-quantize"],
                        cwd=src, check=True)
@@ -167,9 +188,10 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-quants", default="Q4_K_M,bf16")
     ap.add_argument("--build-llama", action="store_true")
     ap.add_argument("--llama-args", default="",
-                    help="more llama-server flags, e.g. --llama-args=--no-repack: a build with AMX "
+                    help="more llama-server flags, e.g. --llama-args=--no-repack (weights off the "
+                         "repacked layouts), for a LLAMA_CPP_DIR built with AMX: such a build "
                          "(-march=native on Sapphire Rapids) crashed in ggml_backend_amx_mul_mat at "
-                         "load here; --no-repack keeps its weights off the AMX/repacked layouts")
+                         "load here; --build-llama leaves AMX out")
     ap.add_argument("--requests", type=int, default=4, help="requests at c=1 (c=8 sends 8)")
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=64)
