@@ -113,7 +113,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
 async def load_test(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
                     bias: dict) -> dict:
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    # a connection per request: llama-server closed an idle kept-alive connection just as the
+    # next request went out on it ("Server disconnected without sending a response")
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         async def guarded(p):
             async with sem:
                 return await one_request(client, url, model, p, max_tokens, bias)
