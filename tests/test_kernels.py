@@ -425,6 +425,8 @@ def test_logsumexp_matches_a_float64_reference(portable):
         for a, kw in ((mx.random.normal((3, n - 1)), {"axis": -1}), (mx.random.normal((n, 2)), {"axis": 0}),
                       (mx.random.normal((2, n)), {})):
             assert np.array_equal(np.array(kernels.logsumexp(a, **kw)), np.array(mx.logsumexp(a, **kw)))
+        with pytest.raises(ValueError, match="empty"):  # as MLX's own op says
+            kernels.logsumexp(mx.zeros((0, n)), axis=-1)
         with pytest.raises(ValueError, match="y: 4 bytes, expected 8"):
             kernels._qkernel.logsumexp(np.ones((2, 4), np.float32), np.empty(1, np.float32), 2, 4)
     finally:

@@ -534,7 +534,7 @@ def logsumexp(a, axis=None, keepdims: bool = False, **kwargs):
     import mlx.core as mx
 
     n = a.shape[-1] if a.ndim else 0
-    if (_qkernel is None or kwargs or a.ndim == 0 or n < LSE_MIN
+    if (_qkernel is None or kwargs or a.ndim == 0 or a.size == 0 or n < LSE_MIN
             or axis not in (-1, a.ndim - 1, [-1], (-1,), [a.ndim - 1], (a.ndim - 1,))
             or not mx.issubdtype(a.dtype, mx.floating) or mx.default_device() != mx.cpu):
         return mx.logsumexp(a, axis=axis, keepdims=keepdims, **kwargs)
