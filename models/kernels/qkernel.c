@@ -897,7 +897,8 @@ static void act_part(const Job *j, int64_t u0, int64_t u1) {
 /* log(sum(exp(x))) of each row of a float32 [rows, n] matrix: the normalisation mlx-lm applies to
  * every row of logits at every decode step (248,320 values a row for Qwen3.5's vocabulary), where
  * MLX's Linux CPU build spends 9 ms a row on its one-value-at-a-time exp. The row's maximum first,
- * then sum(exp(x - max)) in 16 float32 lanes (the same exp as SiLU's), added in double at the end. */
+ * then sum(exp(x - max)) in 32 float32 lanes (the same exp as SiLU's), added in double at the end;
+ * a row with a NaN gives NaN, one whose maximum is +-inf what the definition gives. */
 typedef struct {
     const float *x;
     float *y;
@@ -911,7 +912,7 @@ static float lse_scalar(const float *x, int64_t n) {
         m = x[i] > m ? x[i] : m;
     }
     if (m == -INFINITY || m == INFINITY) {
-        double s = 0.0; /* all -inf, an inf or a NaN: as the definition gives */
+        double s = 0.0; /* all -inf, or an inf: as the definition gives */
         for (int64_t i = 0; i < n; i++) s += exp((double)x[i]);
         return (float)log(s);
     }
@@ -933,7 +934,7 @@ AVX512 static float lse_avx512(const float *x, int64_t n) {
     float m = _mm512_reduce_max_ps(vm);
     for (int64_t t = i; t < n; t++) m = x[t] > m ? x[t] : m;
     if (nan) return NAN;
-    if (m == -INFINITY || m == INFINITY || m != m) return lse_scalar(x, n);
+    if (m == -INFINITY || m == INFINITY) return lse_scalar(x, n);
     const __m512 mv = _mm512_set1_ps(m);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     i = 0;
