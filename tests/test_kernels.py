@@ -107,7 +107,7 @@ def test_bad_buffers_are_errors_not_crashes():
 def test_model_served_packed_gives_dense_logits(embedded_path):
     """The embedded model quantized to 4 bits, served packed (every projection and the tied head
     on the kernels, prompts through the transient dense path; GatedDeltaNet's recurrence and
-    conv and the SiLUs of a prompt on the kernels too) and dense: the same logits for a batch
+    conv and the SiLUs on the kernels too) and dense: the same logits for a batch
     of two 160-token prompts and three decode steps."""
     import mlx.nn as nn
     from mlx_lm.utils import load as mlx_load
@@ -366,6 +366,67 @@ def test_silu_matches_mlx():
     np.testing.assert_allclose(np.array(kernels.silu(a, b)), np.array(nn.silu(a) * b), rtol=3e-6, atol=1e-30)
     small = a[:100]
     assert np.array_equal(np.array(kernels.silu(small)), np.array(nn.silu(small)))
+    # a decode step's kernel outputs (evaluated): the kernel for any size, strided ones copied
+    small_b = b[:100]
+    mx.eval(small, small_b)
+    np.testing.assert_allclose(np.array(kernels.silu(small, small_b, evaluated=True)),
+                               np.array(nn.silu(small) * small_b), rtol=3e-6, atol=1e-30)
+    strided = mx.random.normal((40, 30)).T
+    mx.eval(strided)
+    np.testing.assert_allclose(np.array(kernels.silu(strided, strided, evaluated=True)),
+                               np.array(nn.silu(strided) * strided), rtol=3e-6, atol=1e-30)
+
+
+@needs_kernels
+def test_decode_rows_take_their_silus_on_the_kernels(embedded_path, monkeypatch):
+    """A decode step of a packed model: the SiLU after GatedDeltaNet's convolution and the MLP's
+    SiLU of its gate (both projections on the kernels, their outputs evaluated) run on the
+    kernel, one call each per layer, and the logits are MLX's own ops' to rounding."""
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load as mlx_load
+
+    from mixbit.models.loading import _dequantize
+
+    def quantized():
+        model, _ = mlx_load(str(embedded_path))
+        nn.quantize(model, group_size=64, bits=4,
+                    class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
+                    and m.weight.shape[-1] % 64 == 0)
+        model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
+        return model
+
+    packed, dense = quantized(), quantized()
+    _dequantize(dense)
+    kernels.serve(packed, "packed", small=0)
+    layers = packed.args.text_config["num_hidden_layers"]
+    linear = sum(1 for _, m in packed.named_modules() if type(m).__name__ == "DepthwiseConv1d")
+    prompt = mx.array([[5, 9, 11, 40, 7, 3]])
+    logits = {}
+    for name, model in (("packed", packed), ("dense", dense)):
+        cache = make_prompt_cache(model)
+        mx.eval(model(prompt, cache=cache))
+        if name == "packed":
+            real, calls = kernels._qkernel, []
+
+            class Counting:
+                def __getattr__(self, attr):
+                    return getattr(real, attr)
+
+                def silu(self, *args):
+                    calls.append(args[3])
+                    return real.silu(*args)
+
+            monkeypatch.setattr(kernels, "_qkernel", Counting())
+        logits[name] = np.array(model(mx.array([[17]]), cache=cache))
+        monkeypatch.undo()
+        if name == "packed":
+            sizes = packed.args.text_config
+            assert calls.count(sizes["intermediate_size"]) == layers  # every MLP
+            conv = 2 * sizes["linear_num_key_heads"] * sizes["linear_key_head_dim"] \
+                + sizes["linear_num_value_heads"] * sizes["linear_value_head_dim"]
+            assert calls.count(conv) == linear  # every GatedDeltaNet conv
+    np.testing.assert_allclose(logits["packed"], logits["dense"], rtol=1e-3, atol=1e-3)
 
 
 @needs_kernels

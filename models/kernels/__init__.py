@@ -230,21 +230,32 @@ def depthwise_conv(x, w_t, then_silu: bool = False):
 ACT_MIN = 1 << 16  # values from which silu runs here (prompts); decode rows stay in MLX's graph
 
 
-def silu(a, b=None):
+def silu(a, b=None, evaluated: bool = False):
     """silu(a) * b (or silu(a)) in float32 on the kernels: MLX's Linux CPU build computes exp one
     value at a time (docs/cpu-serving.md). Small inputs stay MLX ops (a kernel call costs a
-    synchronisation)."""
+    synchronisation), unless the caller knows them `evaluated` (kernel outputs: a decode step's
+    gate and up projections), where the kernel costs no synchronisation and spares the next
+    kernel call one."""
     import mlx.core as mx
     import mlx.nn as nn
 
-    if a.size < ACT_MIN:
+    if a.size < ACT_MIN and not evaluated:
         y = nn.silu(a.astype(mx.float32))
         return y if b is None else y * b.astype(mx.float32)
     start()
-    args = [mx.contiguous(t.astype(mx.float32)) for t in ((a,) if b is None else (a, b))]
+    args = (a,) if b is None else (a, b)
+    if not (evaluated and all(t.dtype == mx.float32 for t in args)):
+        args = [mx.contiguous(t.astype(mx.float32)) for t in args]
     mx.eval(args)
     y = _output(a.shape)
-    _qkernel.silu(args[0], None if b is None else args[1], y, a.size)
+    try:
+        _qkernel.silu(args[0], None if b is None else args[1], y, a.size)
+    except ValueError as exc:  # a strided input: copied, as matmul does
+        if "contiguous" not in str(exc):
+            raise
+        args = [mx.contiguous(t) for t in args]
+        mx.eval(args)
+        _qkernel.silu(args[0], None if b is None else args[1], y, a.size)
     return mx.array(y)
 
 
@@ -502,6 +513,15 @@ def _rows(x) -> int:
     return x.size // x.shape[-1]
 
 
+def _on_kernels(module, x) -> bool:
+    """Whether `module(x)` returns a kernel's output (an evaluated float32 array), not an MLX op."""
+    if not isinstance(module, tuple(k for k in (_PackedLinear, _Bf16Linear) if k)) or "bias" in module:
+        return False
+    if module._head and _lazy_head(x):
+        return False
+    return _rows(x) < module._prefill_rows or module._prompt_mode is not None
+
+
 def _positions(x) -> int:
     return x.shape[-2] if x.ndim >= 3 else 1
 
@@ -656,10 +676,11 @@ def _classes():
         _fuse_silu = False  # serve(): where the layer applies nn.silu to this output next
 
         def __call__(self, x):
-            if not self._fuse_silu or (x.shape[1] - self._w_t.shape[0] + 1) * x.shape[0] * x.shape[2] < ACT_MIN:
-                return depthwise_conv(x, self._w_t)  # decode rows: the SiLU stays MLX's op
-            # a prompt: the SiLU that follows in GatedDeltaNet runs here, and the nn.silu the
-            # layer applies next gives this output back as it is (_SiluDone)
+            if not self._fuse_silu:
+                return depthwise_conv(x, self._w_t)
+            # the SiLU that follows in GatedDeltaNet runs here on the conv's output (a prompt's
+            # and a decode step's: the call has synchronised already), and the nn.silu the layer
+            # applies next gives this output back as it is (_SiluDone)
             y = depthwise_conv(x, self._w_t, then_silu=True)
             _silu_done.y = y
             return y
@@ -674,7 +695,11 @@ def _activated_classes() -> dict:
 
     class MLP(Qwen3NextMLP):
         def __call__(self, x):
-            return self.down_proj(silu(self.gate_proj(x), self.up_proj(x)))
+            # where both projections ran on the kernels (their outputs are evaluated), the SiLU
+            # runs there too for any number of rows: no synchronisation, and down_proj's input
+            # then needs none either (a decode step: one fewer MLX hand-off per layer)
+            return self.down_proj(silu(self.gate_proj(x), self.up_proj(x),
+                                       evaluated=_on_kernels(self.gate_proj, x) and _on_kernels(self.up_proj, x)))
 
     class RMSNormGated(Qwen3NextRMSNormGated):
         def __call__(self, hidden_states, gate=None):
