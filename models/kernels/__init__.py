@@ -227,7 +227,7 @@ def depthwise_conv(x, w_t, then_silu: bool = False):
     return mx.array(y)
 
 
-ACT_MIN = 1 << 16  # values from which silu runs here (prompts); decode rows stay in MLX's graph
+ACT_MIN = 1 << 16  # values from which silu runs here whatever its inputs (prompts); below, only evaluated ones
 
 
 def silu(a, b=None, evaluated: bool = False):
