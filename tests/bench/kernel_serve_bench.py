@@ -148,6 +148,16 @@ class RssSampler:
         return self.peak
 
 
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs since boot, from /proc/stat (zeros where unreadable)."""
+    try:
+        fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    steal = fields[7] if len(fields) > 7 else 0
+    return steal, sum(fields[:8])  # guest time is counted in user already
+
+
 def variant_bytes(name: str, folder: Path) -> int:
     if name.endswith(".gguf"):
         return Path(name).stat().st_size
@@ -169,10 +179,15 @@ def run_one(name: str, make, prompts_c1, prompts_c8, model_id: str, bias: dict, 
             mid = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(load_test(server.url, mid, prompts_c1[:1], 1, 4, bias))  # warm-up
         rss = RssSampler(server.proc.pid)
+        steal0, total0 = cpu_times()
         c1 = asyncio.run(load_test(server.url, mid, prompts_c1, 1, max_tokens, bias))
         c8 = asyncio.run(load_test(server.url, mid, prompts_c8, 8, max_tokens, bias))
         peak = rss.stop()
-        res = {"ready_s": ready_s, "c1": c1, "c8": c8, "rss": peak}
+        steal1, total1 = cpu_times()
+        # the share of the machine's CPU time the hypervisor took during the loads: on a VM that
+        # steals, a run's tok/s move with it (docs/cpu-serving.md)
+        steal = (steal1 - steal0) / (total1 - total0) if total1 > total0 else None
+        res = {"ready_s": ready_s, "c1": c1, "c8": c8, "rss": peak, "steal": steal}
         print(f"{name}: {res}", file=sys.stderr, flush=True)
         return res
     finally:
@@ -250,13 +265,16 @@ def main(argv=None) -> int:
     print(f"\nshape {args.shape} (random weights), {args.prompt_tokens}-token prompts, "
           f"{args.max_tokens} new tokens; c=1: {args.requests} requests in turn, c=8: 8 at once\n")
     print("| server, weights | bytes | c=1 tok/s | c=1 decode tok/s/req | TTFT c=1 | c=8 tok/s | "
-          "TTFT c=8 | peak RSS serving | RSS / bytes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "TTFT c=8 | peak RSS serving | RSS / bytes | CPU steal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
+        steal = "-" if r.get("steal") is None else f"{100 * r['steal']:.0f}%"
         print(f"| {name} | {r['bytes'] / 1e6:.0f} MB | {r['c1']['tok_s']:.2f} | "
               f"{r['c1']['decode_tok_s']:.2f} | {r['c1']['ttft_p50']:.2f} s | {r['c8']['tok_s']:.2f} | "
               f"{r['c8']['ttft_p50']:.2f} s | {r['rss'] / 1e9:.2f} GB | "
-              f"{r['rss'] / max(r['bytes'], 1):.2f} |")
+              f"{r['rss'] / max(r['bytes'], 1):.2f} | {steal} |")
+    print("\nCPU steal: the share of all CPU time the hypervisor took during that server's loads "
+          "(/proc/stat); compare rows run under similar steal.")
     return 0
 
 
