@@ -103,12 +103,9 @@ def test_bad_buffers_are_errors_not_crashes():
         q.gated_delta_scan(*[a] * 8, 1, 0, 1, 4, 4)
 
 
-@needs_kernels
-def test_model_served_packed_gives_dense_logits(embedded_path):
-    """The embedded model quantized to 4 bits, served packed (every projection and the tied head
-    on the kernels, prompts through the transient dense path; GatedDeltaNet's recurrence and
-    conv and the SiLUs on the kernels too) and dense: the same logits for a batch
-    of two 160-token prompts and three decode steps."""
+def _packed_and_dense(embedded_path, quantize_path):
+    """The embedded model twice, float32, with its Linear/Embedding layers at paths where
+    `quantize_path` holds quantized to 4 bits (group 64): the second dequantized back to dense."""
     import mlx.nn as nn
     from mlx_lm.utils import load as mlx_load
 
@@ -118,12 +115,22 @@ def test_model_served_packed_gives_dense_logits(embedded_path):
         model, _ = mlx_load(str(embedded_path))
         nn.quantize(model, group_size=64, bits=4,
                     class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
-                    and m.weight.shape[-1] % 64 == 0 and ("mlp" in p or "embed" in p))
+                    and m.weight.shape[-1] % 64 == 0 and quantize_path(p))
         model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
         return model
 
     packed, dense = quantized(), quantized()
     _dequantize(dense)
+    return packed, dense
+
+
+@needs_kernels
+def test_model_served_packed_gives_dense_logits(embedded_path):
+    """The embedded model quantized to 4 bits, served packed (every projection and the tied head
+    on the kernels, prompts through the transient dense path; GatedDeltaNet's recurrence and
+    conv and the SiLUs on the kernels too) and dense: the same logits for a batch
+    of two 160-token prompts and three decode steps."""
+    packed, dense = _packed_and_dense(embedded_path, lambda p: "mlp" in p or "embed" in p)
     summary = kernels.serve(packed, "packed", small=0)  # even the tiny model's layers
     assert summary["packed"] > 0 and summary["dense"] == 0
     kinds = {type(m).__name__ for _, m in packed.named_modules()}
@@ -382,22 +389,9 @@ def test_decode_rows_take_their_silus_on_the_kernels(embedded_path, monkeypatch)
     """A decode step of a packed model: the SiLU after GatedDeltaNet's convolution and the MLP's
     SiLU of its gate (both projections on the kernels, their outputs evaluated) run on the
     kernel, one call each per layer, and the logits are MLX's own ops' to rounding."""
-    import mlx.nn as nn
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load as mlx_load
 
-    from mixbit.models.loading import _dequantize
-
-    def quantized():
-        model, _ = mlx_load(str(embedded_path))
-        nn.quantize(model, group_size=64, bits=4,
-                    class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
-                    and m.weight.shape[-1] % 64 == 0)
-        model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
-        return model
-
-    packed, dense = quantized(), quantized()
-    _dequantize(dense)
+    packed, dense = _packed_and_dense(embedded_path, lambda p: True)
     kernels.serve(packed, "packed", small=0)
     layers = packed.args.text_config["num_hidden_layers"]
     linear = sum(1 for _, m in packed.named_modules() if type(m).__name__ == "DepthwiseConv1d")

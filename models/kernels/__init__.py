@@ -162,24 +162,28 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     args = ((weight, weight, weight, out, m, n, k, 16, 0, mode) if bits == 16 else
             (weight, scales, biases, out, m, n, k, bits, group_size, mode))
 
-    def call(x2):
-        _qkernel.matmul(x2, *args)
+    # the projections that share an input (q/k/v, z, gate/up) find it evaluated
+    _on_inputs(lambda x2: _qkernel.matmul(x2, *args), [x], as_is=x.dtype == mx.float32)
+    return mx.array(out.reshape(*lead, n))
 
-    # Every evaluation of a new MLX node costs ~75 us on the CPU (the stream's thread hand-off),
-    # so a float32 input is passed as it is: the projections that share an input (q/k/v, z,
-    # gate/up) then find it evaluated. A strided one is refused by the kernel and copied.
-    if x.dtype == mx.float32:
-        mx.eval(x)
+
+def _on_inputs(call, arrays, as_is: bool) -> None:
+    """call(*arrays) with the arrays evaluated. Every evaluation of a new MLX node costs ~75 us on
+    the CPU (the stream's thread hand-off), so where `as_is` (float32 inputs) they are passed as
+    they are; a strided one is refused by the kernel, and then every input is copied contiguous
+    float32, as are all inputs otherwise."""
+    import mlx.core as mx
+
+    if as_is:
+        mx.eval(arrays)
         try:
-            call(x)
-            return mx.array(out.reshape(*lead, n))
+            return call(*arrays)
         except ValueError as exc:
             if "contiguous" not in str(exc):
                 raise
-    x2 = mx.contiguous(x.reshape(m, k).astype(mx.float32))
-    mx.eval(x2)
-    call(x2)
-    return mx.array(out.reshape(*lead, n))
+    arrays = [mx.contiguous(t.astype(mx.float32)) for t in arrays]
+    mx.eval(arrays)
+    return call(*arrays)
 
 
 def gated_delta(q, k, v, g, beta, state, mask=None):
@@ -243,19 +247,10 @@ def silu(a, b=None, evaluated: bool = False):
         y = nn.silu(a.astype(mx.float32))
         return y if b is None else y * b.astype(mx.float32)
     start()
-    args = (a,) if b is None else (a, b)
-    if not (evaluated and all(t.dtype == mx.float32 for t in args)):
-        args = [mx.contiguous(t.astype(mx.float32)) for t in args]
-    mx.eval(args)
+    args = [a] if b is None else [a, b]
     y = _output(a.shape)
-    try:
-        _qkernel.silu(args[0], None if b is None else args[1], y, a.size)
-    except ValueError as exc:  # a strided input: copied, as matmul does
-        if "contiguous" not in str(exc):
-            raise
-        args = [mx.contiguous(t) for t in args]
-        mx.eval(args)
-        _qkernel.silu(args[0], None if b is None else args[1], y, a.size)
+    _on_inputs(lambda a2, b2=None: _qkernel.silu(a2, b2, y, a.size), args,
+               as_is=evaluated and all(t.dtype == mx.float32 for t in args))
     return mx.array(y)
 
 
