@@ -1,7 +1,9 @@
 """Start-up and shutdown: graceful drain of in-flight requests, and a bounded wait."""
 
+import importlib.util
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -93,6 +95,9 @@ def test_first_start_quantizes_then_cached_start_is_fast(tmp_path):
         assert card["measured_kld"] >= 0
         body = {"model": MODEL, "messages": ask("Hi, I am Anna."), "max_tokens": 8, "temperature": 0}
         assert httpx.post(first.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        if importlib.util.find_spec("torch") is not None:  # installed here (train-tiny), not used
+            maps = Path(f"/proc/{first.proc.pid}/maps").read_text()
+            assert "libtorch" not in maps, "the server loaded PyTorch"
     finally:
         first.stop()
     second = ServerProcess("quant.sensitivity_seconds=20", recipe=None, cache_dir=cache)
