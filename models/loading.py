@@ -76,6 +76,7 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
         model, tokenizer = sharded_load(str(folder), tensor_group=group)
     else:
         model, tokenizer = mlx_load(str(folder))
+    release_tokenizer_scratch(tokenizer._tokenizer)
     target = compute_dtype(dtype)
     plan = None
     cpu = mx.default_device() == mx.cpu and not sharded and not dequantize
@@ -115,6 +116,24 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
     mx.eval(model.parameters())
     return LoadedModel(model=model, tokenizer=tokenizer, resolved=resolved,
                        config=read_config(folder), cpu_plan=plan)
+
+
+# transformers 5 tokenizer classes that build their Rust tokenizer from a vocabulary dict and a
+# merges list kept as `_vocab` and `_merges`, and never read either after __init__ (checked in
+# their source; some other classes do read theirs, e.g. Whisper's save_vocabulary).
+_SCRATCH_AFTER_INIT = ("Qwen2Tokenizer", "Qwen3_5Tokenizer")
+
+
+def release_tokenizer_scratch(hf_tokenizer) -> None:
+    """Drops the Python copies of the vocabulary and merges a Qwen tokenizer was built from: the
+    Rust tokenizer holds its own, and at Qwen3.5's 248k-token vocabulary these copies were
+    ~130 MB of Python objects (a third of a 0.8B 4-bit variant's bytes) kept for the life of the
+    server. Deleted rather than emptied, so a transformers that starts reading them fails loudly
+    in the tests instead of tokenizing from an empty vocabulary."""
+    if type(hf_tokenizer).__name__ in _SCRATCH_AFTER_INIT:
+        for name in ("_vocab", "_merges"):
+            if isinstance(getattr(hf_tokenizer, name, None), (dict, list)):
+                delattr(hf_tokenizer, name)
 
 
 def kernels_available() -> bool:

@@ -56,3 +56,28 @@ def test_special_tokens_are_single_ids(tokenizers_three):
               "</tool_call>", "<tool_response>", "</tool_response>"]:
         assert len(auto.encode(t, add_special_tokens=False)) == 1, t
     assert auto.eos_token == "<|im_end|>"
+
+
+def test_the_served_tokenizer_drops_its_build_copies_and_tokenizes_the_same(embedded_path, tokenizers_three,
+                                                                            tmp_path):
+    """The server's loader drops the Python vocabulary and merges transformers keeps after building
+    the Rust tokenizer (~130 MB at Qwen3.5's vocabulary): ids, decoding, the chat template and
+    saving are unchanged."""
+    from mixbit.models.loading import load, render_chat
+    from mixbit.models.registry import resolve
+    from transformers import AutoTokenizer
+
+    raw, _, wrapper = tokenizers_three
+    served = load(resolve(str(embedded_path), allow_download=False), cpu_quantized="dense").tokenizer
+    hf = served._tokenizer
+    assert type(hf).__name__ == "Qwen3_5Tokenizer"
+    assert not hasattr(hf, "_vocab") and not hasattr(hf, "_merges")
+    hf.save_pretrained(str(tmp_path))
+    saved = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TRICKY:
+        ids = raw.encode(text, add_special_tokens=False).ids
+        assert served.encode(text, add_special_tokens=False) == ids, text[:60]
+        assert saved.encode(text, add_special_tokens=False) == ids, text[:60]
+        assert served.decode(ids) == text
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    assert render_chat(served, messages) == render_chat(wrapper, messages)
