@@ -23,6 +23,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, _BaseCache
 
+from ..models.blas import release_free_memory
 from ..models.kernels import engine_step
 
 from .sampling import SamplingParams, greedy, make_processors, make_sampler
@@ -359,7 +360,11 @@ class Engine:
             if self.group is not None:
                 mx.random.seed(0)  # unseeded sampling draws the same numbers on every rank
             gen = self._generator(stream)
+            busy = False
             while True:
+                if busy and not self._active and self._inbox.empty():
+                    self._release_freed()
+                busy = bool(self._active)
                 ops = self._next_ops(block=not self._active)
                 if ops is None:
                     break
@@ -377,6 +382,15 @@ class Engine:
                     for seq in list(self._active.values()):
                         self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
                     gen = self._generator(stream)
+
+    @staticmethod
+    def _release_freed() -> None:
+        """On going idle: the C heap's free pages back to the system. A burst's prompts and steps
+        free hundreds of MB of small allocations that stay resident otherwise (0.8B shape, after
+        8 x 300-token prompts: 1,908 -> 1,572 MB); MLX's own buffer cache is not touched."""
+        started = time.perf_counter()
+        release_free_memory()
+        log.debug("idle: freed heap pages released in %.1f ms", (time.perf_counter() - started) * 1e3)
 
     def _generator(self, stream) -> BatchGenerator:
         return BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos_ids],
