@@ -508,13 +508,29 @@ def _rows(x) -> int:
     return x.size // x.shape[-1]
 
 
+LAZY, MLX, KERNEL = "lazy", "mlx", "kernel"
+
+
+def _route(layer, x) -> str:
+    """Where a packed or bfloat16 projection multiplies `x`: LAZY (an output head over a prompt
+    nobody reads: an MLX op never evaluated), MLX (a prompt whose shape measured faster through
+    MLX's dense matmul), or KERNEL (mixbit's kernels, FLOAT for decode rows and the measured
+    prompt mode for a prompt: an evaluated float32 output)."""
+    if layer._head and _lazy_head(x):
+        return LAZY
+    if _rows(x) >= layer._prefill_rows and layer._prompt_mode is None:
+        return MLX
+    return KERNEL
+
+
+def _kernel_mode(layer, x) -> int:
+    return layer._prompt_mode if _rows(x) >= layer._prefill_rows else FLOAT
+
+
 def _on_kernels(module, x) -> bool:
     """Whether `module(x)` returns a kernel's output (an evaluated float32 array), not an MLX op."""
-    if not isinstance(module, tuple(k for k in (_PackedLinear, _Bf16Linear) if k)) or "bias" in module:
-        return False
-    if module._head and _lazy_head(x):
-        return False
-    return _rows(x) < module._prefill_rows or module._prompt_mode is not None
+    return (isinstance(module, tuple(k for k in (_PackedLinear, _Bf16Linear) if k))
+            and "bias" not in module and _route(module, x) == KERNEL)
 
 
 def _positions(x) -> int:
@@ -619,15 +635,15 @@ def _classes():
         _prompt_mode = None
 
         def __call__(self, x):
-            if self._head and _lazy_head(x):  # untied output head over a prompt: lazy
+            route = _route(self, x)
+            if route == LAZY:  # untied output head over a prompt
                 y = mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"], transpose=True,
                                         group_size=self.group_size, bits=self.bits)
-            elif _rows(x) >= self._prefill_rows:  # a prompt: AMX tiles or BLAS, as measured
-                y = (matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size,
-                            mode=self._prompt_mode) if self._prompt_mode is not None
-                     else mx.matmul(x, _dequantized(self).T))
-            else:
-                y = matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
+            elif route == MLX:
+                y = mx.matmul(x, _dequantized(self).T)
+            else:  # decode rows, or a prompt on the AMX tiles or BLAS, as measured
+                y = matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size,
+                           mode=_kernel_mode(self, x))
             return y + self["bias"] if "bias" in self else y
 
     class PackedEmbedding(nn.QuantizedEmbedding):
@@ -646,13 +662,10 @@ def _classes():
         _prompt_mode = None
 
         def __call__(self, x):
-            if self._head and _lazy_head(x):  # lazy: unused prompt logits are never computed
+            if _route(self, x) == KERNEL:
+                y = matmul(x, self["weight"], mode=_kernel_mode(self, x))
+            else:  # LAZY (unused prompt logits, never computed) or MLX
                 y = mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
-            elif _rows(x) >= self._prefill_rows:
-                y = (matmul(x, self["weight"], mode=self._prompt_mode) if self._prompt_mode is not None else
-                     mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T))
-            else:
-                y = matmul(x, self["weight"])
             return y + self["bias"].astype(mx.float32) if "bias" in self else y
 
     class Bf16Embedding(nn.Embedding):
