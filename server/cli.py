@@ -370,7 +370,7 @@ def kebab_case(argv: list[str]) -> list[str]:
 
 def keep_torch_out() -> None:
     """Only `train-tiny` uses PyTorch, but transformers imports it whenever it is installed (to
-    load a tokenizer, through its RoPE utilities): +267 MB resident and ~3 s of start-up in a
+    load a tokenizer, through its RoPE utilities): +160-270 MB resident and ~3 s of start-up in a
     serving process for nothing. A `None` in `sys.modules` is Python's own way to say a module
     is absent: `importlib.util.find_spec` answers None, so transformers runs tokenizer-only, as
     in the Docker image, which has no PyTorch. Left alone where torch is already imported."""
