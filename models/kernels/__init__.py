@@ -524,7 +524,11 @@ def _route(layer, x) -> str:
 
 
 def _kernel_mode(layer, x) -> int:
-    return layer._prompt_mode if _rows(x) >= layer._prefill_rows else FLOAT
+    """The kernels' mode for `x`: the measured prompt mode (AMX tiles or BLAS) for a prompt where
+    there is one, FLOAT otherwise (decode rows; a tied head over a prompt without one)."""
+    if _rows(x) >= layer._prefill_rows and layer._prompt_mode is not None:
+        return layer._prompt_mode
+    return FLOAT
 
 
 def _on_kernels(module, x) -> bool:
@@ -653,9 +657,8 @@ def _classes():
             if _lazy_head(x):  # a prompt whose logits nobody reads: lazy, never computed
                 return mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
                                            transpose=True, group_size=self.group_size, bits=self.bits)
-            mode = self._prompt_mode if _rows(x) >= self._prefill_rows and self._prompt_mode is not None else FLOAT
             return matmul(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size,
-                          mode=mode)
+                          mode=_kernel_mode(self, x))
 
     class Bf16Linear(nn.Linear):
         _head = False
@@ -677,8 +680,7 @@ def _classes():
         def as_linear(self, x):
             if _lazy_head(x):
                 return mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
-            mode = self._prompt_mode if _rows(x) >= self._prefill_rows and self._prompt_mode is not None else FLOAT
-            return matmul(x, self["weight"], mode=mode)
+            return matmul(x, self["weight"], mode=_kernel_mode(self, x))
 
     class DepthwiseConv1d(nn.Conv1d):
         _fuse_silu = False  # serve(): where the layer applies nn.silu to this output next
