@@ -181,8 +181,10 @@ def test_tiles_mode_for_prompts_matches(bits, group):
     """Many rows on the AMX tiles: x split exactly into three bfloat16 parts, so the products
     are exact and the result is float32 accumulation away from the float64 product: rows not a
     multiple of the tile, more rows than one pass (kernels TILE_MCHUNK = 256), several column
-    panels, and a K so long that a panel is one block of columns."""
-    for m, n, k in ((16, 32, 128), (45, 96, 384), (300, 160, 256), (40, 64, 8192)):
+    panels, a K so long that a panel is one block of columns, and decode batches (up to 16 rows
+    run as one block of 16, also a pass's last rows)."""
+    for m, n, k in ((16, 32, 128), (45, 96, 384), (300, 160, 256), (40, 64, 8192), (1, 64, 256),
+                    (8, 96, 384), (260, 64, 256)):
         x, w, s, b = _case(m, n, k, bits, group or 64, seed=m)
         got = np.array(kernels.matmul(x, w, s, b, bits, group, mode=kernels.TILES))
         dense = (w.astype(mx.float32) if bits == 16 else

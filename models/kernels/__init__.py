@@ -312,7 +312,7 @@ def _time(fn, reps: int, rounds: int = 3) -> float:
     return best
 
 
-def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
+def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
     """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT), the
     prompt paths - dequantize-then-BLAS (BLAS, when the process has a cblas_sgemm) and AMX
     tiles (TILES, where the CPU has them) - and, for one row, dense float32 as it runs inside a
@@ -357,8 +357,8 @@ def measure(module, rows=(1, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
             out[m]["dense"] = max(0.0, out[m].pop("kernel+dense") - out[m]["kernel"])
         if "dense" in out[m]:
             out[m]["dense"] *= n / part
-        if m > 1 and min((out[m][p] for p in prompt), default=float("inf")) < out[m]["kernel"]:
-            break  # the crossover: a prompt path from here on
+        if m >= DENSE_CHECK_ROWS and min((out[m][p] for p in prompt), default=float("inf")) < out[m]["kernel"]:
+            break  # past the crossover (serve() takes the first row count where a prompt path won)
     if len(prompt) > 1 and max(out) > 1:  # which prompt path, at a prefill chunk's rows
         x = mx.random.normal((PROMPT_ROWS, k))
         mx.eval(x)
@@ -403,8 +403,9 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     # a kernel call (on two cores, mixing OpenBLAS's threads with the kernels' in one decode
     # step costs more than either; DENSE_CHECK_ROWS)
     def prefer_dense(key, t):
-        several = t.get(DENSE_CHECK_ROWS, {})
-        return t[1]["dense"] * 1.25 < t[1]["kernel"] and several.get("dense", 0.0) < several.get("kernel", 1.0)
+        several = dict(t.get(DENSE_CHECK_ROWS, {}))  # against the faster packed path at those rows
+        dense_several = several.pop("dense", 0.0)
+        return t[1]["dense"] * 1.25 < t[1]["kernel"] and dense_several < min(several.values(), default=1.0)
 
     gains = sorted(((t[1]["kernel"] - t[1]["dense"], key) for key, t in timings.items()
                     if prefer_dense(key, t)), reverse=True)

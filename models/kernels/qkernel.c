@@ -64,7 +64,7 @@ typedef struct {
     int64_t min_block;    /* output rows (or units) a thread takes at a time; 0: 16 */
     void *xparts;         /* the tile path: x as three bfloat16 parts, in B tiles */
     float *gsum;          /* the tile path: the group sums of x, by group [K/group][Mp] */
-    int64_t Mp;           /* M rounded up to TILE_ROWS */
+    int64_t Mp;           /* M rounded up to tile_rows_of(M) */
 } Job;
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
@@ -397,7 +397,9 @@ VNNI static void rows_affine_vnni(const Job *j, int64_t n0, int64_t n1) {
  * come), x the B operand (pairs of k by input row, rearranged once per call), so the
  * accumulators hold out^T. A thread takes panels of output columns, unpacks each panel once
  * (at most TILE_PANEL_BYTES, so it stays in L2) and runs every block of 32 input rows against
- * it: four 16 x 16 accumulator tiles per 32 x 32 block, rescaled into float32 after each group. */
+ * it: four 16 x 16 accumulator tiles per 32 x 32 block, rescaled into float32 after each group.
+ * Up to 16 input rows (a decode batch) run as one block of 16 rows: two accumulator tiles, half
+ * the tile products and rescaling of a block padded to 32 rows. */
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512bf16,fma")))
 #define TILE_COLS 32
 #define TILE_ROWS 32
@@ -422,11 +424,15 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* Buffers kept per thread (two slots), grown as needed and freed when the thread ends: at most
- * 3 x TILE_MCHUNK x K x 2 bytes for x's parts, the rest for its group sums */
+/* Buffers kept per thread, grown as needed and freed when the thread ends: slot 0 for x's parts
+ * (at most 3 x TILE_MCHUNK x K x 2 bytes) and 1 for its group sums (the calling thread), 2 for
+ * the unpacked panel (TILE_PANEL_BYTES or one block of columns) and 3 for the accumulators (every
+ * thread). A fresh panel per call came from a fresh mapping, and its page faults cost more
+ * than the tile products of a decode batch (a 6144 x 1024 layer, 8 rows: 4.5 ms a call). */
+#define TILE_SLOTS 4
 typedef struct {
-    void *buf[2];
-    size_t cap[2];
+    void *buf[TILE_SLOTS];
+    size_t cap[TILE_SLOTS];
 } TileBufs;
 
 static pthread_key_t tile_key;
@@ -434,8 +440,7 @@ static pthread_once_t tile_once = PTHREAD_ONCE_INIT;
 
 static void tile_bufs_free(void *p) {
     TileBufs *t = p;
-    free(t->buf[0]);
-    free(t->buf[1]);
+    for (int i = 0; i < TILE_SLOTS; i++) free(t->buf[i]);
     free(t);
 }
 
@@ -459,6 +464,9 @@ static void *tile_buffer(int slot, size_t bytes) {
     }
     return t->buf[slot];
 }
+
+/* Input rows per block: 16 for up to 16 rows, else TILE_ROWS */
+static inline int64_t tile_rows_of(int64_t M) { return M <= 16 ? 16 : TILE_ROWS; }
 
 static int64_t tile_panel_blocks(int64_t K) {
     int64_t p = TILE_PANEL_BYTES / (K * 2 * TILE_COLS);
@@ -539,31 +547,39 @@ AMX static void tiles_pack(const Job *j, const Unpack *u, int64_t cb0, int64_t c
  * ([column][row] float32): q . x on the tiles, then scaled, plus the bias times the group sums */
 AMX static inline void tiles_group(const Job *j, const uint16_t *wb, const uint32_t *xp, const float *xsum_t,
                                    float *acc, float *ct, int64_t c0, int64_t m0, int64_t gi, int64_t kpg,
-                                   int64_t ng) {
+                                   int64_t ng, const int rt) {
+    /* rt: input rows in the block, 32 (four accumulator tiles) or 16 (tiles 0 and 2) */
     const int64_t K = j->K, Mp = j->Mp, nkb = K / 32, nmb = Mp / 16, mb = m0 / 16;
     const int affine = j->bits != 16;
     _tile_zero(0);
-    _tile_zero(1);
     _tile_zero(2);
-    _tile_zero(3);
+    if (rt == 32) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
     for (int64_t kb = gi * kpg; kb < (gi + 1) * kpg; kb++) {
         _tile_loadd(4, wb + kb * 1024, 64);
         _tile_loadd(5, wb + kb * 1024 + 512, 64);
         for (int p = 0; p < TILE_PARTS; p++) {
             const uint32_t *xb = xp + ((p * nmb + mb) * nkb + kb) * 256;
             _tile_loadd(6, xb, 64);
-            _tile_loadd(7, xb + nkb * 256, 64);
             _tile_dpbf16ps(0, 4, 6); /* columns 0-15, rows 0-15 */
-            _tile_dpbf16ps(1, 4, 7); /* columns 0-15, rows 16-31 */
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            _tile_dpbf16ps(2, 5, 6); /* columns 16-31, rows 0-15 */
+            if (rt == 32) {
+                _tile_loadd(7, xb + nkb * 256, 64);
+                _tile_dpbf16ps(1, 4, 7); /* columns 0-15, rows 16-31 */
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
     }
     _tile_stored(0, ct, 64);
-    _tile_stored(1, ct + 256, 64);
     _tile_stored(2, ct + 512, 64);
-    _tile_stored(3, ct + 768, 64);
+    if (rt == 32) {
+        _tile_stored(1, ct + 256, 64);
+        _tile_stored(3, ct + 768, 64);
+    }
     for (int t = 0; t < 4; t++) {
+        if (rt == 16 && (t & 1)) continue;
         const int h = t >> 1, r16 = (t & 1) * 16;
         const __m512 xs = affine ? _mm512_loadu_ps(xsum_t + gi * Mp + m0 + r16) : _mm512_setzero_ps();
         for (int i = 0; i < 16; i++) {
@@ -592,10 +608,10 @@ AMX static void rows_tiles(const Job *j, int64_t u0, int64_t u1) {
     const int64_t cb0 = u0 * panel, cb1 = u1 * panel < nb ? u1 * panel : nb;
     Unpack u;
     if (affine) make_unpack(&u, j);
-    uint16_t *wt = aligned_alloc(64, (size_t)(panel * nkb * 2048));
-    float *acc = aligned_alloc(64, TILE_ACC_BLOCKS * TILE_ROWS * TILE_COLS * sizeof(float));
-    float *ct = aligned_alloc(64, 4 * 256 * sizeof(float));
-    if (!wt || !acc || !ct) abort(); /* a few hundred KB; a worker cannot report it */
+    uint16_t *wt = tile_buffer(2, (size_t)(panel * nkb * 2048));
+    float *acc = tile_buffer(3, (TILE_ACC_BLOCKS * TILE_ROWS * TILE_COLS + 4 * 256) * sizeof(float));
+    if (!wt || !acc) abort(); /* a few hundred KB; a worker cannot report it */
+    float *ct = acc + TILE_ACC_BLOCKS * TILE_ROWS * TILE_COLS;
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -609,14 +625,15 @@ AMX static void rows_tiles(const Job *j, int64_t u0, int64_t u1) {
         tiles_pack(j, &u, p0, p1, wt);
         for (int64_t m0 = 0; m0 < Mp; m0 += TILE_ROWS)
             for (int64_t s0 = 0; s0 < p1 - p0; s0 += TILE_ACC_BLOCKS) {
+                const int rt = (int)(Mp - m0 < TILE_ROWS ? Mp - m0 : TILE_ROWS);
                 const int64_t s1 = s0 + TILE_ACC_BLOCKS < p1 - p0 ? s0 + TILE_ACC_BLOCKS : p1 - p0;
                 memset(acc, 0, (size_t)((s1 - s0) * TILE_ROWS * TILE_COLS) * sizeof(float));
                 /* group by group over the blocks: a group's x tiles stay in L1 across them */
                 for (int64_t gi = 0; gi < ng; gi++)
                     for (int64_t b = s0; b < s1; b++)
                         tiles_group(j, wt + b * nkb * 1024, xp, xsum_t, acc + (b - s0) * TILE_ROWS * TILE_COLS,
-                                    ct, (p0 + b) * TILE_COLS, m0, gi, kpg, ng);
-                for (int64_t r = 0; r < TILE_ROWS && m0 + r < M; r++)
+                                    ct, (p0 + b) * TILE_COLS, m0, gi, kpg, ng, rt);
+                for (int64_t r = 0; r < rt && m0 + r < M; r++)
                     for (int64_t b = s0; b < s1; b++) {
                         const float *ab = acc + (b - s0) * TILE_ROWS * TILE_COLS;
                         float *o = j->out + (m0 + r) * N + (p0 + b) * TILE_COLS;
@@ -625,9 +642,6 @@ AMX static void rows_tiles(const Job *j, int64_t u0, int64_t u1) {
             }
     }
     _tile_release();
-    free(wt);
-    free(acc);
-    free(ct);
 }
 #endif
 
@@ -1180,7 +1194,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         /* prompts of up to TILE_MCHUNK rows at a time: x's parts and sums for one chunk, in
          * buffers kept per thread (a fresh mapping per call cost its page faults every time) */
         const int64_t mc = M < TILE_MCHUNK ? M : TILE_MCHUNK;
-        const int64_t Mp = (mc + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+        const int64_t tr = tile_rows_of(mc), Mp = (mc + tr - 1) / tr * tr;
         const int64_t ng = affine ? K / group : 1, panels = tile_panel_blocks(K);
         uint32_t *xp = tile_buffer(0, (size_t)(3 * Mp * K) * sizeof(uint16_t));
         float *xsum_t = tile_buffer(1, (size_t)(ng * Mp) * sizeof(float));
@@ -1191,7 +1205,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
             jc.x = (const float *)bx.buf + m0 * K;
             jc.out = (float *)bo.buf + m0 * N;
             jc.M = M - m0 < TILE_MCHUNK ? M - m0 : TILE_MCHUNK;
-            jc.Mp = (jc.M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+            jc.Mp = (jc.M + tile_rows_of(jc.M) - 1) / tile_rows_of(jc.M) * tile_rows_of(jc.M);
             jc.xparts = xp;
             jc.gsum = xsum_t;
             jc.min_block = 1;
