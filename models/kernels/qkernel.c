@@ -64,7 +64,7 @@ typedef struct {
     int64_t min_block;    /* output rows (or units) a thread takes at a time; 0: 16 */
     void *xparts;         /* the tile path: x as three bfloat16 parts, in B tiles */
     float *gsum;          /* the tile path: the group sums of x, by group [K/group][Mp] */
-    int64_t Mp;           /* M rounded up to tile_rows_of(M) */
+    int64_t Mp;           /* M padded to whole blocks of rows (tile_rows_padded) */
 } Job;
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
@@ -465,8 +465,11 @@ static void *tile_buffer(int slot, size_t bytes) {
     return t->buf[slot];
 }
 
-/* Input rows per block: 16 for up to 16 rows, else TILE_ROWS */
-static inline int64_t tile_rows_of(int64_t M) { return M <= 16 ? 16 : TILE_ROWS; }
+/* M input rows padded to whole blocks: one block of 16 for up to 16 rows, else blocks of
+ * TILE_ROWS */
+static inline int64_t tile_rows_padded(int64_t M) {
+    return M <= 16 ? 16 : (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+}
 
 static int64_t tile_panel_blocks(int64_t K) {
     int64_t p = TILE_PANEL_BYTES / (K * 2 * TILE_COLS);
@@ -1194,7 +1197,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         /* prompts of up to TILE_MCHUNK rows at a time: x's parts and sums for one chunk, in
          * buffers kept per thread (a fresh mapping per call cost its page faults every time) */
         const int64_t mc = M < TILE_MCHUNK ? M : TILE_MCHUNK;
-        const int64_t tr = tile_rows_of(mc), Mp = (mc + tr - 1) / tr * tr;
+        const int64_t Mp = tile_rows_padded(mc);
         const int64_t ng = affine ? K / group : 1, panels = tile_panel_blocks(K);
         uint32_t *xp = tile_buffer(0, (size_t)(3 * Mp * K) * sizeof(uint16_t));
         float *xsum_t = tile_buffer(1, (size_t)(ng * Mp) * sizeof(float));
@@ -1205,7 +1208,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
             jc.x = (const float *)bx.buf + m0 * K;
             jc.out = (float *)bo.buf + m0 * N;
             jc.M = M - m0 < TILE_MCHUNK ? M - m0 : TILE_MCHUNK;
-            jc.Mp = (jc.M + tile_rows_of(jc.M) - 1) / tile_rows_of(jc.M) * tile_rows_of(jc.M);
+            jc.Mp = tile_rows_padded(jc.M);
             jc.xparts = xp;
             jc.gsum = xsum_t;
             jc.min_block = 1;
