@@ -96,6 +96,7 @@ def follow(settings: Settings, group) -> int:
     grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
                             sorted(lm.tokenizer.eos_token_ids))
     engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
+                    prefill_tokens=s.server.prefill_tokens,
                     cache_entries=s.server.prefix_cache_entries,
                     cache_bytes=s.server.prefix_cache_bytes, model_key=served_name(s, resolved),
                     group=group, grammar_engine=grammar)
@@ -208,6 +209,7 @@ def start_loading(state: ServerState) -> threading.Thread:
                                             **({"cpu_plan": lm.cpu_plan} if lm.cpu_plan else {})})
                 itl = state.metrics.itl.labels(v.variant).observe if state.metrics else None
                 v.engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
+                                  prefill_tokens=s.server.prefill_tokens,
                                   cache_entries=s.server.prefix_cache_entries,
                                   cache_bytes=s.server.prefix_cache_bytes, model_key=served_id,
                                   on_token_gap=itl, group=state.group, grammar_engine=grammar)

@@ -216,6 +216,9 @@ def step_buffer_bytes(model, batch: int) -> int:
     return 4 * batch * biggest
 
 
+PREFILL_MIN_STEP = 16  # prompt tokens per prompt and prefill round, however many prompts share it
+
+
 def keep_step_buffers(model, batch: int) -> int:
     """Raises MLX's buffer cache limit (process-wide, never lowered) to eight times the
     largest buffers a decode step allocates. MLX's CPU default, 32 MB, is below what one step
@@ -231,7 +234,7 @@ def keep_step_buffers(model, batch: int) -> int:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_step: int = 512,
+    def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_tokens: int = 512,
                  cache_entries: int = 64, cache_bytes: int = 1 << 30, model_key: str = "model",
                  on_token_gap: Callable[[float], None] | None = None, group=None,
                  grammar_engine=None):
@@ -248,7 +251,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.mlx_cache_limit = keep_step_buffers(model, max_batch)
-        self.prefill_step = prefill_step
+        self.prefill_tokens = prefill_tokens
         self.model_key = model_key
         self.prompt_cache = LRUPromptCache(max_size=cache_entries, max_bytes=cache_bytes)
         self.stats = EngineStats()
@@ -396,7 +399,18 @@ class Engine:
         return BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos_ids],
                               completion_batch_size=self.max_batch,
                               prefill_batch_size=min(self.max_batch, 8),
-                              prefill_step_size=self.prefill_step, stream=stream)
+                              prefill_step_size=self.prefill_tokens, stream=stream)
+
+    def _fit_prefill_chunk(self, gen: BatchGenerator) -> None:
+        """mlx-lm cuts each prompt of a prefill round into `prefill_step_size` tokens, so a round
+        of 8 prompts took 8 times that many: the prompt tokens of one round are held to
+        `prefill_tokens` across the prompts being prefilled (at least PREFILL_MIN_STEP each), and
+        running streams decode a step between rounds. At the 0.8B shape a round of 8 x 300 tokens
+        faulted in fresh pages for every activation; 8 x 64 reuses MLX's cached buffers
+        (docs/cpu-serving.md: the 8 prompts' TTFT 31-37 -> 25-32 s)."""
+        prompts = min(gen.prefill_batch_size,
+                      len(gen._currently_processing) + len(gen._unprocessed_sequences))
+        gen.prefill_step_size = max(PREFILL_MIN_STEP, self.prefill_tokens // max(prompts, 1))
 
     def _next_ops(self, block: bool) -> list | None:
         """What to apply before the next step: admissions and cancellations (None: stop)."""
@@ -506,6 +520,7 @@ class Engine:
         self.stats.cached_tokens_total += seq.cached
 
     def _step(self, gen: BatchGenerator) -> None:
+        self._fit_prefill_chunk(gen)
         with engine_step():  # prompt logits left lazy, the logits' normalisation on the kernels
             prompt_responses, responses = gen.next()
         # keep the prompt's cache at each checkpoint and without its last token, so a resend of

@@ -99,6 +99,9 @@ class ServerSettings(_Section):
     max_prompt_tokens: int = Field(0, ge=0, description="0: the model's context length")
     max_concurrent_sequences: int = Field(16, ge=1, le=1024)
     max_queue: int = Field(64, ge=0)
+    prefill_tokens: int = Field(512, ge=16, description="prompt tokens per prefill round, across "
+                                "the prompts prefilled together; running streams decode a step "
+                                "between rounds")
     prefix_cache_entries: int = Field(64, ge=0, description="prompt caches kept for prefix reuse")
     prefix_cache_bytes: int = Field(1 << 30, ge=0, description="memory bound of the prefix cache")
     memory_budget_bytes: int = Field(0, ge=0, description="what the served variants' weights (and "
