@@ -291,7 +291,7 @@ def test_prefix_cache_holds_no_more_memory_than_it_counts():
 
 def streamed_during_prefill(server_url: str, prompt_words: int) -> tuple[int, int]:
     """Stream A decodes; then a prompt of `prompt_words` words arrives (B, one token asked).
-    Returns the tokens A received between B's request and B's answer, and B's prompt tokens."""
+    Returns the chunks A received between B's request and B's answer, and B's prompt tokens."""
     words = " ".join(f"w{i % 97}" for i in range(prompt_words))
 
     async def main():
@@ -308,7 +308,7 @@ def streamed_during_prefill(server_url: str, prompt_words: int) -> tuple[int, in
                     going.set()
 
         task = asyncio.create_task(a())
-        await going.wait()
+        await asyncio.wait_for(going.wait(), 120)
         sent = time.monotonic()
         b = await ac.completions.create(model=MODEL, prompt=words, max_tokens=1, temperature=0)
         done = time.monotonic()
