@@ -45,7 +45,7 @@ CPU_QUANTIZED = ("auto", "dense", "packed", "mlx")
 
 
 def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
-         dequantize: bool = False, cpu_quantized: str = "auto") -> LoadedModel:
+         dequantize: bool = False, cpu_quantized: str = "auto", cpu_activations: str = "auto") -> LoadedModel:
     """Loads `resolved` (or `path`, a variant of it such as a quantized copy) with mlx-lm.
     With a distributed `group` of size > 1, mlx-lm's tensor-parallel sharding splits the
     model across the group's ranks (each holds its slice). `dequantize`: quantized layers
@@ -58,7 +58,9 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
     with every row: a 512-token prefill of the embedded mixbit-auto took 2.1 s, 0.16 s dense);
     "auto" decides per layer shape by timing both here (`kernels.serve`), and without the
     kernels is dense when that takes at most a quarter of physical memory, else "mlx". Every
-    way the served function is the quantized one."""
+    way the served function is the quantized one. `cpu_activations` (kernels.ACTIVATIONS): whether
+    the packed kernels' decode rows may take their activations as 16-bit integers per group
+    where that measured faster ("auto"), always ("int16") or never ("float32")."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
 
@@ -95,7 +97,7 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
         from . import kernels
 
         plan = summary = kernels.serve(model, cpu_quantized, dense_budget=_physical_memory() // 4,
-                                       restore=keep)
+                                       restore=keep, activations=cpu_activations)
         log.info("CPU kernels (%s, %d threads): %d projections served packed, %d dense float32 "
                  "(%.1f MB) where that measured faster for one decode row",
                  kernels.info().get("isa"), kernels.threads(), summary["packed"], summary["dense"],

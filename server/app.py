@@ -91,7 +91,8 @@ def follow(settings: Settings, group) -> int:
                        s.model.allow_download)
     variant = ensure_shared_variant(s, resolved, log.info, group)
     lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=group,
-              cpu_quantized=s.generation.cpu_quantized)
+              cpu_quantized=s.generation.cpu_quantized,
+              cpu_activations=s.generation.cpu_activations)
     text_cfg = lm.config.get("text_config", lm.config)
     grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
                             sorted(lm.tokenizer.eos_token_ids))
@@ -190,7 +191,8 @@ def start_loading(state: ServerState) -> threading.Thread:
                 budget.check(label, _weights_bytes(variant.path), estimate=True)
                 state.status, state.detail = "loading", f"loading {variant.path}"
                 lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group,
-                          cpu_quantized=s.generation.cpu_quantized)
+                          cpu_quantized=s.generation.cpu_quantized,
+                          cpu_activations=s.generation.cpu_activations)
                 if state.variants:  # the same source's tokenizer: one copy serves every variant
                     lm.tokenizer = state.variants[0].lm.tokenizer
                 budget.add(label, model_bytes(lm.model))

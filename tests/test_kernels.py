@@ -235,17 +235,67 @@ def test_tiles_mode_refuses_what_it_cannot_do():
     assert not kernels.tiles_support(48, 256, 4, 64) and kernels.tiles_support(64, 256, 4, 64)
 
 
-@needs_kernels
-def test_int8_mode_is_close():
-    """The VNNI mode quantizes activations to int8 per group: close, not exact (measured, unused
-    by default; docs/cpu-serving.md)."""
-    if not kernels.info().get("int8"):
-        pytest.skip("no AVX-512 VNNI here")
-    for bits, group in ((4, 128), (5, 32), (3, 64)):
-        x, w, s, b = _case(12, 96, 512, bits, group)
-        got = np.array(kernels.matmul(x, w, s, b, bits, group, mode=kernels.INT8))
+needs_int16 = pytest.mark.skipif(not (kernels.available() and kernels.info().get("vnni")),
+                                 reason="no AVX-512 VNNI here: the INT16 mode computes as FLOAT")
+
+
+@needs_int16
+@pytest.mark.parametrize("bits,group", [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)])
+def test_int16_mode_is_within_its_bound(bits, group):
+    """The INT16 mode takes each group of x as 16-bit integers (x16 = round(x / d), d = the
+    group's largest |x| / 32512) and multiplies them exactly: its only error against the
+    dequantized weight's product is x's rounding, at most sum over groups of |scale| * sum(q) * d/2
+    (plus float32 rounding), even beside an outlier channel 30x the others."""
+    for m, n, k in ((1, 67, 256), (5, 33, 384), (9, 129, 128), (17, 8, 512)):
+        x, w, s, b = _case(m, n, k, bits, group, seed=m)
+        x = x * mx.where(mx.arange(k) % 97 == 3, 30.0, 1.0)
+        got = np.array(kernels.matmul(x, w, s, b, bits, group, mode=kernels.INT16))
         ref = _reference(x, w, s, b, bits, group)
-        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.02
+        sn, bn = np.array(s), np.array(b)
+        q = (np.array(mx.dequantize(w, s, b, group_size=group, bits=bits)) - np.repeat(bn, group, 1)) / \
+            np.repeat(sn, group, 1)
+        d = np.abs(np.array(x)).reshape(m, -1, group).max(-1) / 32512
+        bound = np.einsum("ng,mg->mn", np.abs(q).reshape(n, -1, group).sum(-1) * np.abs(sn), d / 2)
+        assert (np.abs(got - ref) <= bound + 1e-5 * np.abs(ref).max()).all()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) > 1e-7  # integers, not the float path
+    x, w, _, _ = _case(3, 40, 256, 16, 64)  # bfloat16 weights: the float path, exactly
+    np.testing.assert_array_equal(np.array(kernels.matmul(x, w, mode=kernels.INT16)),
+                                  np.array(kernels.matmul(x, w)))
+
+
+@needs_int16
+def test_decode_activations_setting(embedded_path):
+    """serve(activations=...): "float32" keeps every decode row on the float kernel, "int16" puts
+    every packed affine layer on the integer one, "auto" decides per shape by timing (the plan
+    says which); the model's decode logits differ by far less than quantization moves them
+    (KLD < 1e-5 between the two, same greedy tokens), and a bad value is refused."""
+    models = {}
+    for act in ("float32", "int16", "auto"):
+        model, _ = _packed_and_dense(embedded_path, lambda p: "mlp" in p or "embed" in p)
+        plan = kernels.serve(model, "packed", small=0, activations=act)
+        assert {r["decode"] for r in plan["shapes"]} <= ({"float32"} if act == "float32" else
+                                                          {"int16"} if act == "int16" else
+                                                          {"float32", "int16"})
+        modes = {m._decode_mode for _, m in model.named_modules() if hasattr(m, "_decode_mode")
+                 and type(m).__name__.startswith("Packed")}
+        assert modes == ({kernels.FLOAT} if act == "float32" else {kernels.INT16} if act == "int16" else modes)
+        models[act] = model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = {}
+    for act in ("float32", "int16"):
+        model = models[act]
+        cache = make_prompt_cache(model)
+        model(mx.array([[5, 9, 200, 31, 77, 1024]]), cache=cache)
+        steps = [model(mx.array([[t]]), cache=cache)[:, -1] for t in (7, 11, 13, 300, 8, 9)]
+        logits[act] = mx.concatenate(steps)
+    lp = {a: v - mx.logsumexp(v, -1, keepdims=True) for a, v in logits.items()}
+    kld = float((mx.exp(lp["float32"]) * (lp["float32"] - lp["int16"])).sum(-1).max())
+    assert 0 < kld < 1e-5, kld
+    assert bool(mx.all(logits["float32"].argmax(-1) == logits["int16"].argmax(-1)))
+    model, _ = _packed_and_dense(embedded_path, lambda p: "embed" in p)
+    with pytest.raises(ValueError, match="activations"):
+        kernels.serve(model, "packed", small=0, activations="int8")
 
 
 def test_built_at_install():

@@ -12,8 +12,11 @@ own bytes:
   tiles of at most 64 MB and multiplied by cblas_sgemm (the OpenBLAS models/blas.py loads).
 
 Both compute what MLX computes for the dequantized weight, in float32 (to rounding; tests/
-test_kernels.py checks every width and group size). An int8-activation (VNNI) mode is there and
-measured, but not used: 1.7x the float kernel at 0.6% error, and slower than BLAS for prompts.
+test_kernels.py checks every width and group size). On CPUs with AVX-512 VNNI, decode rows may
+instead take their activations as 16-bit integers per group (INT16: within 1/65024 of the
+group's largest value, the products exact in int32; ~2x the float kernel for one row, KLD
+against it ~1e-7 on the trained embedded model); `generation.cpu_activations` and the timing
+at load decide (docs/cpu-serving.md).
 
 Beside the projections, for Qwen3.5's other costly parts on CPU: the GatedDeltaNet recurrence
 over a prompt or one decode step (`gated_delta`), its short convolution (`depthwise_conv`) and the
@@ -92,7 +95,11 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
     return bits in (2, 3, 4, 5, 6, 8) and group_size >= 32 and in_features % group_size == 0
 
 
-FLOAT, INT8, BLAS, TILES = 0, 1, 2, 3  # the kernel's modes (qkernel.c)
+FLOAT, INT16, BLAS, TILES = 0, 1, 2, 3  # the kernel's modes (qkernel.c)
+# how a packed layer's activations enter its decode kernel (generation.cpu_activations): "auto"
+# times both and keeps the faster per layer shape, "float32" only the exact float kernel,
+# "int16" the 16-bit integer kernel wherever it runs
+ACTIVATIONS = ("auto", "float32", "int16")
 PROMPT_ROWS = 256  # the rows at which the prompt paths (BLAS, TILES) are compared: a prefill chunk
 PROMPT_PATHS = {"blas": BLAS, "tiles": TILES}
 # Dense float32 must also win at this many rows (a decode batch), timed right after a kernel
@@ -138,6 +145,13 @@ def tiles_available() -> bool:
     return _qkernel is not None and bool(_qkernel.info().get("tiles"))
 
 
+def int16_support(k: int, bits: int, group: int) -> bool:
+    """Whether the INT16 mode runs for this shape: affine weights, a CPU with AVX-512 VNNI,
+    groups of 32/64/128 (elsewhere the kernel computes with FLOAT)."""
+    return (_qkernel is not None and bool(_qkernel.info().get("vnni")) and bits != 16
+            and k % 64 == 0 and group in (32, 64, 128))
+
+
 def tiles_support(n: int, k: int, bits: int, group: int) -> bool:
     return tiles_available() and n % 32 == 0 and k % 64 == 0 and (bits == 16 or group in (32, 64, 128))
 
@@ -147,8 +161,9 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     or a bfloat16 `weight` (bits=16). Returns float32 [..., N]. `mode`: FLOAT (float32 FMAs on
     the packed weights, for a few rows), BLAS (dequantized in tiles and multiplied by
     cblas_sgemm, for many rows), TILES (AMX: the unpacked weights times x split exactly into
-    three bfloat16 parts, for many rows, where tiles_support), INT8 (activations quantized to
-    int8 per group and multiplied with VNNI: measured, not used - see docs/cpu-serving.md)."""
+    three bfloat16 parts, for many rows, where tiles_support), INT16 (activations as 16-bit
+    integers per group, within 1/65024 of the group's largest value, the products exact in int32
+    on VNNI, where int16_support: decode rows, where it measured faster; docs/cpu-serving.md)."""
     import mlx.core as mx
 
     start()
@@ -312,8 +327,9 @@ def _time(fn, reps: int, rounds: int = 3) -> float:
     return best
 
 
-def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
-    """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT), the
+def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activations: str = "float32") -> dict:
+    """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT, "kernel";
+    with `activations` "auto" or "int16" also INT16, "int16", where int16_support), the
     prompt paths - dequantize-then-BLAS (BLAS, when the process has a cblas_sgemm) and AMX
     tiles (TILES, where the CPU has them) - and, for one row, dense float32 as it runs inside a
     lazy graph (several products per evaluation). The prompt paths are also timed at
@@ -334,6 +350,9 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
     mx.eval(dense, s, b)
     prompt = {name: mode for name, mode in PROMPT_PATHS.items()
               if (blas_available() if mode == BLAS else tiles_support(n, k, bits, group))}
+    decode = {"kernel": FLOAT} if activations != "int16" or not int16_support(k, bits, group) else {}
+    if activations != "float32" and int16_support(k, bits, group):
+        decode["int16"] = INT16
     out = {}
     for m in rows:
         x = mx.random.normal((m, k))
@@ -342,7 +361,8 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
         reps = max(1, min(64, int(budget_s / max(t_one, 1e-6))))
         chain = min(reps, 8)
         # in a model the kernel's input is a lazy result: its evaluation is part of the cost
-        kinds = {"kernel": lambda: [matmul(x * 1.0, w, s, b, bits, group) for _ in range(chain)]}
+        kinds = {name: lambda mode=mode: [matmul(x * 1.0, w, s, b, bits, group, mode=mode) for _ in range(chain)]
+                 for name, mode in decode.items()}
         if m > 1:
             for name, mode in prompt.items():
                 kinds[name] = lambda mode=mode: [matmul(x * 1.0, w, s, b, bits, group, mode=mode)
@@ -350,14 +370,16 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
         if m == 1:
             kinds["dense"] = lambda: mx.eval([mx.matmul(x, dense.T) for _ in range(chain)])
         elif m == DENSE_CHECK_ROWS:  # dense right after a kernel call, as in a decode step
-            kinds["kernel+dense"] = lambda: [(matmul(x * 1.0, w, s, b, bits, group), mx.eval(mx.matmul(x, dense.T)))
-                                             for _ in range(chain)]
+            first = next(iter(decode))
+            kinds["kernel+dense"] = lambda: [(matmul(x * 1.0, w, s, b, bits, group, mode=decode[first]),
+                                              mx.eval(mx.matmul(x, dense.T))) for _ in range(chain)]
         out[m] = {name: _time(fn, max(1, reps // chain)) / chain for name, fn in kinds.items()}
         if "kernel+dense" in out[m]:
-            out[m]["dense"] = max(0.0, out[m].pop("kernel+dense") - out[m]["kernel"])
+            out[m]["dense"] = max(0.0, out[m].pop("kernel+dense") - out[m][first])
         if "dense" in out[m]:
             out[m]["dense"] *= n / part
-        if m >= DENSE_CHECK_ROWS and min((out[m][p] for p in prompt), default=float("inf")) < out[m]["kernel"]:
+        if m >= DENSE_CHECK_ROWS and min((out[m][p] for p in prompt), default=float("inf")) < \
+                min(out[m][d] for d in decode):
             break  # past the crossover (serve() takes the first row count where a prompt path won)
     if len(prompt) > 1 and max(out) > 1:  # which prompt path, at a prefill chunk's rows
         x = mx.random.normal((PROMPT_ROWS, k))
@@ -369,8 +391,14 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03) -> dict:
     return out
 
 
+def decode_kind(t: dict) -> str:
+    """The faster decode kernel of a layer shape's timings (`measure`) at one row: "kernel"
+    (FLOAT) or "int16" (INT16)."""
+    return min((k for k in ("kernel", "int16") if k in t[1]), key=lambda k: t[1][k])
+
+
 def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None = None,
-          small: int = SMALL) -> dict:
+          small: int = SMALL, activations: str = "auto") -> dict:
     """Chooses, per layer shape, how each quantized or bfloat16 projection runs on the CPU, by
     timing it here (`measure`): "auto" keeps a layer packed on the kernel unless dense float32
     measured faster for one decode row and for a batch of DENSE_CHECK_ROWS (after a kernel
@@ -379,7 +407,11 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     prompts (rows >= its measured crossover) on the AMX tiles or through tiles of dequantized
     weight and BLAS, whichever measured faster for a prefill chunk of that layer.
     `restore`: bfloat16 weights by module path to put back (the loader cast everything to
-    float32; the kernel reads bfloat16 itself). Returns a summary for the log and /v1/models."""
+    float32; the kernel reads bfloat16 itself). `activations` (ACTIVATIONS): whether decode rows
+    may run on the INT16 kernel, where it measured faster than FLOAT for one row ("auto"), always
+    where it runs ("int16"), or never ("float32"). Returns a summary for the log and /v1/models."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r}: allowed {', '.join(ACTIVATIONS)}")
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -396,7 +428,7 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     for _, module, _ in cands:
         key = _shape_key(module)
         if key not in timings:
-            timings[key] = measure(module)
+            timings[key] = measure(module, activations=activations)
     # dense where it measured faster for one row, largest gain per byte first, within budget
     budget = dense_budget if mode == "auto" else 0
     # dense where it measured faster for one row by a margin and for a decode batch right after
@@ -405,9 +437,9 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     def prefer_dense(key, t):
         several = dict(t.get(DENSE_CHECK_ROWS, {}))  # against the faster packed path at those rows
         dense_several = several.pop("dense", 0.0)
-        return t[1]["dense"] * 1.25 < t[1]["kernel"] and dense_several < min(several.values(), default=1.0)
+        return t[1]["dense"] * 1.25 < t[1][decode_kind(t)] and dense_several < min(several.values(), default=1.0)
 
-    gains = sorted(((t[1]["kernel"] - t[1]["dense"], key) for key, t in timings.items()
+    gains = sorted(((t[1][decode_kind(t)] - t[1]["dense"], key) for key, t in timings.items()
                     if prefer_dense(key, t)), reverse=True)
     dense_keys, spent = set(), 0
     per_key_bytes = {}
@@ -436,10 +468,12 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
         rows_t = {m: v for m, v in t.items() if m != "prompt"}
         paths = t.get("prompt") or {p: 0.0 for p in rows_t[max(rows_t)] if p in PROMPT_PATHS}
         best = min(paths, key=paths.get) if paths else None
-        wins = [m for m in sorted(rows_t) if m > 1 and rows_t[m].get(best, float("inf")) < rows_t[m]["kernel"]]
+        dec = decode_kind(t)
+        wins = [m for m in sorted(rows_t) if m > 1 and rows_t[m].get(best, float("inf")) < rows_t[m][dec]]
         cross = wins[0] if wins else 2 * max(rows_t)
         module._prefill_rows = cross
         module._prompt_mode = PROMPT_PATHS.get(best)
+        module._decode_mode = INT16 if dec == "int16" else FLOAT
         module._head = path.endswith("lm_head")
         if kind == "quantized":
             module.scales = module.scales.astype(mx.float32)
@@ -447,13 +481,14 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             module.__class__ = _PackedLinear if type(module) is nn.QuantizedLinear else _PackedEmbedding
         else:
             module.__class__ = _Bf16Linear if type(module) is nn.Linear else _Bf16Embedding
-        choice[key] = (cross, best)
+        choice[key] = (cross, best, dec)
         summary["packed"] += 1
     for key, t in sorted(timings.items()):
         summary["shapes"].append({
             "out": key[0], "in": key[1], "bits": key[2], "group": key[3],
             "runs": "dense" if key in dense_keys else "packed",
-            "kernel_ms_1row": round(t[1]["kernel"] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
+            "kernel_ms_1row": round(t[1][decode_kind(t)] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
+            "decode": {"kernel": "float32", "int16": "int16"}[decode_kind(t)],
             "prefill_from_rows": choice.get(key, (None,))[0], "prefill": choice.get(key, (None, None))[1]})
     if summary["packed"]:  # real size: GatedDeltaNet's short convolutions and the SiLUs too
         for _, module in model.named_modules():
@@ -526,10 +561,11 @@ def _route(layer, x) -> str:
 
 def _kernel_mode(layer, x) -> int:
     """The kernels' mode for `x`: the measured prompt mode (AMX tiles or BLAS) for a prompt where
-    there is one, FLOAT otherwise (decode rows; a tied head over a prompt without one)."""
+    there is one, the measured decode mode (FLOAT or INT16) otherwise (decode rows; a tied head
+    over a prompt without one)."""
     if _rows(x) >= layer._prefill_rows and layer._prompt_mode is not None:
         return layer._prompt_mode
-    return FLOAT
+    return layer._decode_mode
 
 
 def _on_kernels(module, x) -> bool:
@@ -638,6 +674,7 @@ def _classes():
     class PackedLinear(nn.QuantizedLinear):
         _head = False
         _prompt_mode = None
+        _decode_mode = FLOAT
 
         def __call__(self, x):
             route = _route(self, x)
@@ -653,6 +690,7 @@ def _classes():
 
     class PackedEmbedding(nn.QuantizedEmbedding):
         _prompt_mode = None
+        _decode_mode = FLOAT
 
         def as_linear(self, x):  # the tied output head
             if _lazy_head(x):  # a prompt whose logits nobody reads: lazy, never computed
@@ -664,6 +702,7 @@ def _classes():
     class Bf16Linear(nn.Linear):
         _head = False
         _prompt_mode = None
+        _decode_mode = FLOAT
 
         def __call__(self, x):
             if _route(self, x) == KERNEL:
@@ -674,6 +713,7 @@ def _classes():
 
     class Bf16Embedding(nn.Embedding):
         _prompt_mode = None
+        _decode_mode = FLOAT
 
         def __call__(self, x):
             return self["weight"][x].astype(mx.float32)

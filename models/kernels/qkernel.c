@@ -6,8 +6,9 @@
  *     (w = q * scale + bias, exactly mx.dequantize);
  *   - bfloat16 dense (bits == 16): tensors a recipe keeps unquantized stay 2 bytes a weight.
  *
- * The product is what MLX computes for the dequantized weight, in float32 (no activation
- * quantization): every weight is dequantized in registers and multiplied with float32 FMAs. One
+ * The float path (mode 0) computes what MLX computes for the dequantized weight, in float32: every
+ * weight is dequantized in registers and multiplied with float32 FMAs. Mode 1 takes the activations
+ * as 16-bit integers per group and multiplies exactly in int32 (VNNI; vnni_block). One
  * unpacked weight vector serves up to ROWS input rows, which is where a decode batch gets its
  * speed-up over one row at a time; past a few dozen rows, dequantizing to a transient dense
  * matrix and calling BLAS wins (the caller decides, models/kernels/__init__.py).
@@ -53,9 +54,8 @@ typedef struct {
     const float *biases;  /* [N, K/group] */
     float *out;           /* [M, N] */
     const float *xsum;    /* [M, K/group]: sums of x over each group (affine) */
-    const int8_t *x8;     /* [M, K]: x quantized to int8 per group (the int8 path) */
-    const float *xscale;  /* [M, K/group]: the scale of each group of x8 */
-    const float *xcorr;   /* [M, K/group]: (sum(x) - scale * sum(x8)) / group, see vnni_block */
+    const int8_t *x8;     /* [2, M, K]: x as 16-bit integers per group, high then low bytes */
+    const float *xscale;  /* [M, K/group]: the unit d of each group's x16 (vnni_block) */
     float *deq_dst;       /* the dequantize path: rows from deq_row0 on, as float32 */
     int64_t deq_row0;
     const void *ctx;      /* other work on the pool (gated_delta_scan) */
@@ -303,12 +303,18 @@ AVX512 static void rows_affine_avx512(const Job *j, int64_t n0, int64_t n1) {
     }
 }
 
-/* ---------------------------------------------------------------- int8 (VNNI) path */
+/* ---------------------------------------------------------------- 16-bit activations (VNNI) */
 
-/* For many rows (prompts), activations quantized to int8 per group of the weight (one float
- * scale per row and group, as llama.cpp's Q8 activations) and the unpacked weights multiplied
- * with vpdpbusd (u8 x s8, 64 products an instruction): about 4x the float path's arithmetic
- * rate. The bias term still uses the exact float group sums of x. */
+/* Activations as 16-bit integers per group of the weight: x16 = round(x / d) with d = (largest
+ * |x| of the group) / 32512, so |x16| <= 32512 and each value is within d / 2 (1 / 65024 of the
+ * group's largest) of x; float32 rounds at 2^-24 of each value, bfloat16 (what the reference
+ * model computes in) at 2^-9. x16 is split exactly into two signed bytes, x16 = 256 h + l
+ * (h in [-127, 127], l in [-128, 127]), and the unpacked weights q (unsigned, at most 8 bits)
+ * multiply both with vpdpbusd (u8 x s8, 64 products an instruction, summed exactly in int32):
+ * q . x16 = 256 (q . h) + q . l exactly. Per group: float(q . x16) * (scale * d), and the bias
+ * through the exact float group sums of x, as in the float path. A weight then costs its unpack
+ * (three instructions per 64) and two vpdpbusd per input row, against a byte-to-dword permute,
+ * a conversion and an FMA per 16 in the float path. */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,fma")))
 #define VROWS 8
 
@@ -316,49 +322,45 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
         const Job *j, const Unpack *u, int64_t n, int64_t m0, float *out, const int MB) {
     const int64_t K = j->K, ng = K / j->group;
     const int g = j->group;
-    const uint8_t *wr = j->w + n * (K * j->bits / 8);
+    const int64_t row_bytes = K * j->bits / 8;
+    const uint8_t *wr = j->w + n * row_bytes;
     const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
-    const int8_t *xb = j->x8 + m0 * K;
-    const float *xsc = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng, *xc = j->xcorr + m0 * ng;
-    /* The rounding errors e of x8 have a mean the unsigned weights q (all >= 0) would amplify:
-     * sum(e * q) = sum(e * (q - mean q)) + mean(q) * sum(e). sum(e) is known exactly per group
-     * (xcorr * group), and sum(q) comes from one more vpdpbusd against ones shared by all rows,
-     * so that term is added back and only the zero-mean part of the error remains. */
-    const __m512i ones = _mm512_set1_epi8(1);
+    const int8_t *xh = j->x8 + m0 * K, *xl = j->x8 + j->M * K + m0 * K;
+    const float *xd = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng;
     __m512 acc[VROWS];
-    __m512i iacc[VROWS];
+    __m512i ih[VROWS], il[VROWS];
     for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
     if (g >= 64) {
         for (int64_t gi = 0; gi < ng; gi++) {
-            __m512i qs = _mm512_setzero_si512();
-            for (int m = 0; m < MB; m++) iacc[m] = _mm512_setzero_si512();
+            for (int m = 0; m < MB; m++) ih[m] = il[m] = _mm512_setzero_si512();
             for (int64_t c = gi * g; c < (gi + 1) * g; c += 64) {
+                if (MB <= 4)
+                    _mm_prefetch((const char *)(wr + PREFETCH_ROWS * row_bytes + (c >> 6) * u->chunk_bytes), _MM_HINT_T0);
                 __m512i v = unpack64(u, wr, c);
-                qs = _mm512_dpbusd_epi32(qs, v, ones);
-                for (int m = 0; m < MB; m++)
-                    iacc[m] = _mm512_dpbusd_epi32(iacc[m], v, _mm512_loadu_si512(xb + m * K + c));
+                for (int m = 0; m < MB; m++) {
+                    ih[m] = _mm512_dpbusd_epi32(ih[m], v, _mm512_loadu_si512(xh + m * K + c));
+                    il[m] = _mm512_dpbusd_epi32(il[m], v, _mm512_loadu_si512(xl + m * K + c));
+                }
             }
-            const __m512 qsf = _mm512_cvtepi32_ps(qs);
+            const float sg = sr[gi];
             for (int m = 0; m < MB; m++) {
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]),
-                                         _mm512_set1_ps(sr[gi] * xsc[m * ng + gi]), acc[m]);
-                acc[m] = _mm512_fmadd_ps(qsf, _mm512_set1_ps(sr[gi] * xc[m * ng + gi]), acc[m]);
+                __m512i t = _mm512_add_epi32(_mm512_slli_epi32(ih[m], 8), il[m]);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(sg * xd[m * ng + gi]), acc[m]);
             }
         }
     } else { /* g == 32: a chunk of 64 holds two groups, lanes 0-7 and 8-15 */
         for (int64_t c = 0; c < K; c += 64) {
             const int64_t gi = c >> 5;
+            if (MB <= 4)
+                _mm_prefetch((const char *)(wr + PREFETCH_ROWS * row_bytes + (c >> 6) * u->chunk_bytes), _MM_HINT_T0);
             __m512i v = unpack64(u, wr, c);
-            const __m512 qsf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, ones));
             for (int m = 0; m < MB; m++) {
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
-                                                _mm512_loadu_si512(xb + m * K + c));
-                __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(sr[gi] * xsc[m * ng + gi]),
-                                               _mm256_set1_ps(sr[gi + 1] * xsc[m * ng + gi + 1]), 1);
-                __m512 cc = _mm512_insertf32x8(_mm512_set1_ps(sr[gi] * xc[m * ng + gi]),
-                                               _mm256_set1_ps(sr[gi + 1] * xc[m * ng + gi + 1]), 1);
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[m]);
-                acc[m] = _mm512_fmadd_ps(qsf, cc, acc[m]);
+                __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xh + m * K + c));
+                __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xl + m * K + c));
+                __m512i t = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(sr[gi] * xd[m * ng + gi]),
+                                               _mm256_set1_ps(sr[gi + 1] * xd[m * ng + gi + 1]), 1);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[m]);
             }
         }
     }
@@ -1113,7 +1115,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                           &mode))
         return NULL;
     if (mode < 0 || mode > 3)
-        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int8), 2 (BLAS) or 3 (tiles), not %d",
+        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int16), 2 (BLAS) or 3 (tiles), not %d",
                             mode);
     if (mode == 3 && !have_amx)
         return PyErr_Format(PyExc_RuntimeError, "the tile mode needs AMX (amx-tile, amx-bf16), which this CPU "
@@ -1149,7 +1151,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                      "(x %zd, w %zd, out %zd bytes)", M, N, K, bits, group, bx.len, bw.len, bo.len);
         goto fail_o;
     }
-    float *xsum = NULL, *xscale = NULL, *xcorr = NULL;
+    float *xsum = NULL, *xscale = NULL;
     int8_t *x8 = NULL;
     int use_int8 = int8 && affine && have_vnni && K % 64 == 0 && group >= 32 &&
                    (group & (group - 1)) == 0;
@@ -1158,11 +1160,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         xsum = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
         if (use_int8) {
             xscale = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
-            xcorr = PyMem_RawMalloc((size_t)(M * ng) * sizeof(float));
-            x8 = PyMem_RawMalloc((size_t)(M * K));
+            x8 = PyMem_RawMalloc((size_t)(2 * M * K)); /* the high bytes [M, K], then the low */
         }
-        if (!xsum || (use_int8 && (!xscale || !xcorr || !x8))) {
-            PyMem_RawFree(xsum); PyMem_RawFree(xscale); PyMem_RawFree(xcorr); PyMem_RawFree(x8);
+        if (!xsum || (use_int8 && (!xscale || !x8))) {
+            PyMem_RawFree(xsum); PyMem_RawFree(xscale); PyMem_RawFree(x8);
             PyErr_NoMemory();
             goto fail_o;
         }
@@ -1178,20 +1179,22 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                 }
                 xsum[m * ng + gi] = s;
                 if (use_int8) {
-                    const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-                    xscale[m * ng + gi] = d;
-                    int8_t *q = x8 + m * K + gi * group;
-                    int64_t qsum = 0;
+                    /* x16 = round(x / d), |x16| <= 32512 = 127 * 256, as 256 h + l (vnni_block) */
+                    const float inv = amax > 0 ? 32512.0f / amax : 0.0f;
+                    xscale[m * ng + gi] = amax / 32512.0f;
+                    int8_t *h = x8 + m * K + gi * group, *l = x8 + M * K + m * K + gi * group;
                     for (int k = 0; k < group; k++) {
-                        q[k] = (int8_t)lrintf(xg[k] * inv);
-                        qsum += q[k];
+                        long v = lrintf(xg[k] * inv);
+                        v = v > 32512 ? 32512 : (v < -32512 ? -32512 : v);
+                        const long hi = (v + 128) >> 8;
+                        h[k] = (int8_t)hi;
+                        l[k] = (int8_t)(v - 256 * hi);
                     }
-                    xcorr[m * ng + gi] = (s - d * (float)qsum) / (float)group;
                 }
             }
     }
     Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum, x8,
-             xscale, xcorr, NULL, 0, NULL, M, N, K, bits, group};
+             xscale, NULL, 0, NULL, M, N, K, bits, group};
 #ifdef MIXBIT_X86
     if (mode == 3) {
         /* prompts of up to TILE_MCHUNK rows at a time: x's parts and sums for one chunk, in
@@ -1243,7 +1246,6 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
     PyMem_RawFree(xsum);
     PyMem_RawFree(xscale);
-    PyMem_RawFree(xcorr);
     PyMem_RawFree(x8);
     PyBuffer_Release(&bo);
     if (affine) { PyBuffer_Release(&bb); PyBuffer_Release(&bs); }
@@ -1381,7 +1383,7 @@ static PyObject *py_logsumexp(PyObject *self, PyObject *args) {
 static PyObject *py_info(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     return Py_BuildValue("{s:s,s:i,s:i,s:O,s:O}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
-                         "threads", n_threads, "rows_per_pass", ROWS, "int8",
+                         "threads", n_threads, "rows_per_pass", ROWS, "vnni",
                          have_vnni ? Py_True : Py_False, "tiles", have_amx ? Py_True : Py_False);
 }
 
@@ -1415,8 +1417,9 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(x, w, scales, biases, out, M, N, K, bits, group, mode=0): out[M,N] = x[M,K] @ W^T "
      "for MLX packed W (bits 2-8, affine, float32 scales/biases) or bfloat16 W (bits 16). mode 0: "
-     "float32 FMAs on the packed weights; 1: activations quantized to int8 per group (VNNI, where "
-     "the CPU has it); 2: W dequantized in tiles and multiplied by cblas_sgemm."},
+     "float32 FMAs on the packed weights; 1: activations as 16-bit integers per group, exact integer "
+     "products (VNNI, where the CPU has it; else as 0); 2: W dequantized in tiles and multiplied by "
+     "cblas_sgemm; 3: AMX tiles."},
     {"gated_delta_scan", py_gated_delta_scan, METH_VARARGS,
      "gated_delta_scan(q, k, v, g, beta, state, y, state_out, B, T, H, Dk, Dv): the gated delta rule "
      "over T tokens for B sequences of H heads (a decode step is T = 1), float32 buffers."},

@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder")
     ap.add_argument("--mode", default="auto", choices=["auto", "packed", "dense"])
+    ap.add_argument("--activations", default="auto", choices=["auto", "float32", "int16"],
+                    help="generation.cpu_activations: the decode kernels' activations")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--prefill", type=int, default=256)
     args = ap.parse_args(argv)
@@ -50,17 +52,19 @@ def main(argv=None) -> int:
     from mixbit.models.registry import resolve
 
     t0 = time.perf_counter()
-    lm = load(resolve(args.folder, allow_download=False), path=Path(args.folder), cpu_quantized=args.mode)
+    lm = load(resolve(args.folder, allow_download=False), path=Path(args.folder), cpu_quantized=args.mode,
+              cpu_activations=args.activations)
     model = lm.model
     from mixbit.server.engine import keep_step_buffers
 
     keep_step_buffers(model, max(int(b) for b in args.batch.split(",")))  # as the engine does
     print(f"loaded in {time.perf_counter() - t0:.1f} s; kernels {kernels.info()}")
     if lm.cpu_plan:
-        print("\n| out | in | bits | group | runs | kernel ms (1 row) | dense ms (1 row) | prompt from rows | prompt path |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n| out | in | bits | group | runs | decode activations | kernel ms (1 row) | dense ms (1 row) | "
+              "prompt from rows | prompt path |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in lm.cpu_plan["shapes"]:
-            print(f"| {r['out']} | {r['in']} | {r['bits']} | {r['group']} | {r['runs']} | "
+            print(f"| {r['out']} | {r['in']} | {r['bits']} | {r['group']} | {r['runs']} | {r['decode']} | "
                   f"{r['kernel_ms_1row']} | {r['dense_ms_1row']} | {r['prefill_from_rows']} | {r['prefill']} |")
     vocab = getattr(model, "language_model", model).model.embed_tokens.weight.shape[0]
 
