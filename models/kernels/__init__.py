@@ -350,9 +350,11 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activati
     mx.eval(dense, s, b)
     prompt = {name: mode for name, mode in PROMPT_PATHS.items()
               if (blas_available() if mode == BLAS else tiles_support(n, k, bits, group))}
-    decode = {"kernel": FLOAT} if activations != "int16" or not int16_support(k, bits, group) else {}
-    if activations != "float32" and int16_support(k, bits, group):
-        decode["int16"] = INT16
+    decode = {"kernel": FLOAT, "int16": INT16}
+    if activations == "float32" or not int16_support(k, bits, group):
+        del decode["int16"]
+    elif activations == "int16":
+        del decode["kernel"]
     out = {}
     for m in rows:
         x = mx.random.normal((m, k))
@@ -481,14 +483,15 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
             module.__class__ = _PackedLinear if type(module) is nn.QuantizedLinear else _PackedEmbedding
         else:
             module.__class__ = _Bf16Linear if type(module) is nn.Linear else _Bf16Embedding
-        choice[key] = (cross, best, dec)
+        choice[key] = (cross, best)
         summary["packed"] += 1
     for key, t in sorted(timings.items()):
+        dec = decode_kind(t)
         summary["shapes"].append({
             "out": key[0], "in": key[1], "bits": key[2], "group": key[3],
             "runs": "dense" if key in dense_keys else "packed",
-            "kernel_ms_1row": round(t[1][decode_kind(t)] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
-            "decode": {"kernel": "float32", "int16": "int16"}[decode_kind(t)],
+            "kernel_ms_1row": round(t[1][dec] * 1e3, 3), "dense_ms_1row": round(t[1]["dense"] * 1e3, 3),
+            "decode": "int16" if dec == "int16" else "float32",
             "prefill_from_rows": choice.get(key, (None,))[0], "prefill": choice.get(key, (None, None))[1]})
     if summary["packed"]:  # real size: GatedDeltaNet's short convolutions and the SiLUs too
         for _, module in model.named_modules():
