@@ -1,6 +1,7 @@
 """Prompt rows through one packed projection, per path of the kernels: the float32 FMA kernel
-(decode's), the weight dequantized in tiles and multiplied by OpenBLAS's sgemm (BLAS), and AMX
-tiles with x split exactly into three bfloat16 parts (TILES, where the CPU has AMX). One table.
+(decode's), its 16-bit integer activation twin (INT16, where the CPU has AVX-512 VNNI), the
+weight dequantized in tiles and multiplied by OpenBLAS's sgemm (BLAS), and AMX tiles with x split
+exactly into three bfloat16 parts (TILES, where the CPU has AMX). One table.
 
     .venv/bin/python tests/bench/prompt_matmul_bench.py [--rows 256,2048] [--repeat 5]
 
@@ -42,6 +43,8 @@ def main(argv=None) -> int:
 
     kernels.start()
     paths = {"kernel": kernels.FLOAT}
+    if kernels.info().get("vnni"):  # decode rows' 16-bit integer activations (cpu_activations)
+        paths["INT16"] = kernels.INT16
     if kernels.blas_available():
         paths["BLAS"] = kernels.BLAS
     print(f"kernels {kernels.info()}, BLAS: {blas.name}")
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
             if kernels.tiles_support(n, k, bits, group):
                 modes["TILES"] = kernels.TILES
             for p, mode in modes.items():
-                if p == "kernel" and rows * n * k > 4e9:  # minutes: the FMA kernel is not for prompts
+                if p in ("kernel", "INT16") and rows * n * k > 4e9:  # minutes: decode kernels, not for prompts
                     continue
                 kernels.matmul(x, w, s, b, bits, group, mode=mode)
                 ts = []
