@@ -96,16 +96,21 @@ def test_auto_serves_every_layer_dense_or_on_the_kernels_to_the_same_function(un
     assert bool(mx.all(got.argmax(-1) == kernel.argmax(-1)).item())
 
 
-def test_packed_kernels_compute_the_quantized_function(uniform4, u4_folder):
+@pytest.mark.parametrize("activations,tolerance", [("float32", 1e-4), ("auto", 1e-3)])
+def test_packed_kernels_compute_the_quantized_function(uniform4, u4_folder, activations, tolerance):
     """"packed": the tied head (4096 x 256, the one projection of this model past the kernels'
-    size floor) multiplies on mixbit's kernel for decode rows; logits match MLX's kernels."""
+    size floor) multiplies on mixbit's kernel for decode rows; logits match MLX's kernels. With
+    float32 activations to float rounding; under "auto" a VNNI CPU may take the decode rows' inputs
+    as 16-bit integers per group (error bounded in test_kernels: relative 1/65024 of a group's
+    largest input), so the logits agree to 1e-3 of their scale and pick the same token."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mixbit.models import kernels
 
     if not kernels.available():
         pytest.skip(kernels.IMPORT_ERROR)
-    packed = load(resolve("embedded:tiny-qwen3.5"), path=u4_folder, cpu_quantized="packed")
+    packed = load(resolve("embedded:tiny-qwen3.5"), path=u4_folder, cpu_quantized="packed",
+                  cpu_activations=activations)
     kinds = {type(m).__name__ for _, m in packed.model.named_modules()}
     assert "PackedEmbedding" in kinds and packed.cpu_plan["packed"] >= 1
     ids = _prompt(packed)
@@ -122,7 +127,7 @@ def test_packed_kernels_compute_the_quantized_function(uniform4, u4_folder):
     finally:
         _set_rows(uniform4.model, DENSE_ROWS)
     scale = float(mx.abs(outs[1]).max().item())
-    assert float(mx.abs(outs[0] - outs[1]).max().item()) < 1e-4 * max(scale, 1.0)
+    assert float(mx.abs(outs[0] - outs[1]).max().item()) < tolerance * max(scale, 1.0)
     assert bool(mx.all(outs[0].argmax(-1) == outs[1].argmax(-1)).item())
 
 
