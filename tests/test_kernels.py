@@ -264,6 +264,40 @@ def test_int16_mode_is_within_its_bound(bits, group):
 
 
 @needs_int16
+@pytest.mark.parametrize("bits,group", [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)])
+def test_panel_mode_computes_what_int16_computes(bits, group):
+    """PANEL (many rows: the weights unpacked into panels of 64 columns, vpdpwssd) rounds x as
+    INT16 does and multiplies exactly, so it gives INT16's result to float32 rounding - every
+    width and group, rows not a multiple of its register tile (6), one row, more rows than a
+    pass (512), an outlier channel - and is within INT16's bound of the float64 product."""
+    for m, n, k in ((1, 64, 256), (13, 128, 384), (64, 192, 128), (520, 64, 256)):
+        x, w, s, b = _case(m, n, k, bits, group, seed=m)
+        x = x * mx.where(mx.arange(k) % 97 == 3, 30.0, 1.0)
+        got = np.array(kernels.matmul(x, w, s, b, bits, group, mode=kernels.PANEL))
+        int16 = np.array(kernels.matmul(x, w, s, b, bits, group, mode=kernels.INT16))
+        ref = _reference(x, w, s, b, bits, group)
+        assert got.shape == (m, n)
+        scale = np.abs(ref).max()
+        assert np.abs(got - int16).max() <= 2e-6 * scale, (m, n, k)
+        assert np.abs(got - ref).max() <= 5e-4 * scale and np.abs(got - ref).max() > 0, (m, n, k)
+
+
+@needs_kernels
+def test_panel_mode_refuses_what_it_cannot_do():
+    x, w, s, b = _case(40, 96, 256, 4, 64)
+    out = np.empty((40, 96), np.float32)
+    if not kernels.info().get("vnni"):
+        with pytest.raises(RuntimeError, match="VNNI"):
+            kernels._qkernel.matmul(x, w, s, b, out, 40, 96, 256, 4, 64, kernels.PANEL)
+        assert not kernels.panel_support(128, 256, 4, 64)
+        return
+    with pytest.raises(ValueError, match="multiple of 64"):  # 96 output columns
+        kernels._qkernel.matmul(x, w, s, b, out, 40, 96, 256, 4, 64, kernels.PANEL)
+    assert not kernels.panel_support(96, 256, 4, 64) and kernels.panel_support(128, 256, 4, 64)
+    assert not kernels.panel_support(128, 256, 16, 0)
+
+
+@needs_int16
 def test_decode_activations_setting(embedded_path):
     """serve(activations=...): "float32" keeps every decode row on the float kernel, "int16" puts
     every packed affine layer on the integer one, "auto" decides per shape by timing (the plan
@@ -281,6 +315,12 @@ def test_decode_activations_setting(embedded_path):
         packed = [m for _, m in model.named_modules() if type(m).__name__.startswith("Packed")]
         assert packed and all(m._decode_mode == {"float32": kernels.FLOAT, "int16": kernels.INT16}[
             planned[kernels._shape_key(m)]] for m in packed)
+        # prompts: the 16-bit panels never under "float32", wherever they run under "int16"
+        for r in plan["shapes"]:
+            if act == "float32":
+                assert r["prefill"] != "panel"
+            elif act == "int16" and kernels.panel_support(r["out"], r["in"], r["bits"], r["group"]):
+                assert r["prefill"] == "panel"
         models[act] = model
     from mlx_lm.models.cache import make_prompt_cache
 

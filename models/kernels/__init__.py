@@ -95,13 +95,14 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
     return bits in (2, 3, 4, 5, 6, 8) and group_size >= 32 and in_features % group_size == 0
 
 
-FLOAT, INT16, BLAS, TILES = 0, 1, 2, 3  # the kernel's modes (qkernel.c)
-# how a packed layer's activations enter its decode kernel (generation.cpu_activations): "auto"
-# times both and keeps the faster per layer shape, "float32" only the exact float kernel,
-# "int16" the 16-bit integer kernel wherever it runs
+FLOAT, INT16, BLAS, TILES, PANEL = 0, 1, 2, 3, 4  # the kernel's modes (qkernel.c)
+# how a packed layer's activations enter its kernels (generation.cpu_activations): "auto" times
+# the float and the 16-bit integer kernels (decode rows: FLOAT, INT16; many rows: also PANEL)
+# and keeps the fastest per layer shape, "float32" only the exact float paths, "int16" the
+# 16-bit integer kernels wherever they run
 ACTIVATIONS = ("auto", "float32", "int16")
-PROMPT_ROWS = 256  # the rows at which the prompt paths (BLAS, TILES) are compared: a prefill chunk
-PROMPT_PATHS = {"blas": BLAS, "tiles": TILES}
+PROMPT_ROWS = 256  # the rows at which the prompt paths are compared: a prefill chunk
+PROMPT_PATHS = {"blas": BLAS, "tiles": TILES, "panel": PANEL}
 # Dense float32 must also win at this many rows (a decode batch), timed right after a kernel
 # call: inside a decode step MLX's dense matmul goes through OpenBLAS, whose threads then compete
 # with the kernels' (the 0.8B shape's 512 x 1024 k/v projections: 0.07 ms dense against 0.17 on
@@ -156,6 +157,12 @@ def tiles_support(n: int, k: int, bits: int, group: int) -> bool:
     return tiles_available() and n % 32 == 0 and k % 64 == 0 and (bits == 16 or group in (32, 64, 128))
 
 
+def panel_support(n: int, k: int, bits: int, group: int) -> bool:
+    """Whether the PANEL mode runs for this shape: what INT16 needs, and whole panels of 64
+    output columns."""
+    return int16_support(k, bits, group) and n % 64 == 0
+
+
 def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int = 0, mode: int = FLOAT):
     """x[..., K] @ W^T for MLX's packed `weight` (affine, `bits` 2-8, float32 scales/biases)
     or a bfloat16 `weight` (bits=16). Returns float32 [..., N]. `mode`: FLOAT (float32 FMAs on
@@ -163,7 +170,9 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     cblas_sgemm, for many rows), TILES (AMX: the unpacked weights times x split exactly into
     three bfloat16 parts, for many rows, where tiles_support), INT16 (activations as 16-bit
     integers per group, within 1/65024 of the group's largest value, the products exact in int32
-    on VNNI, where int16_support: decode rows, where it measured faster; docs/cpu-serving.md)."""
+    on VNNI, where int16_support: decode rows, where it measured faster; docs/cpu-serving.md),
+    PANEL (INT16's activations, the weights unpacked once per call into panels of 64 output
+    columns for vpdpwssd: many rows, where panel_support)."""
     import mlx.core as mx
 
     start()
@@ -330,8 +339,9 @@ def _time(fn, reps: int, rounds: int = 3) -> float:
 def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activations: str = "float32") -> dict:
     """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT, "kernel";
     with `activations` "auto" or "int16" also INT16, "int16", where int16_support), the
-    prompt paths - dequantize-then-BLAS (BLAS, when the process has a cblas_sgemm) and AMX
-    tiles (TILES, where the CPU has them) - and, for one row, dense float32 as it runs inside a
+    prompt paths - dequantize-then-BLAS (BLAS, when the process has a cblas_sgemm), AMX
+    tiles (TILES, where the CPU has them) and, with `activations` "auto", PANEL where
+    panel_support ("int16": PANEL alone there) - and, for one row, dense float32 as it runs inside a
     lazy graph (several products per evaluation). The prompt paths are also timed at
     PROMPT_ROWS rows, where serve() picks one of them. Each timing takes about `budget_s`."""
     import mlx.core as mx
@@ -349,7 +359,10 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activati
         w[:part], s[:part], b[:part], group_size=group, bits=bits)
     mx.eval(dense, s, b)
     prompt = {name: mode for name, mode in PROMPT_PATHS.items()
-              if (blas_available() if mode == BLAS else tiles_support(n, k, bits, group))}
+              if (blas_available() if mode == BLAS else tiles_support(n, k, bits, group) if mode == TILES
+                  else activations != "float32" and panel_support(n, k, bits, group))}
+    if activations == "int16" and "panel" in prompt:
+        prompt = {"panel": PANEL}
     decode = {"kernel": FLOAT, "int16": INT16}
     if activations == "float32" or not int16_support(k, bits, group):
         del decode["int16"]
@@ -407,7 +420,8 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     call, as in a decode step) and its dense weight fits `dense_budget` (bytes, over
     all such layers); "packed" keeps every supported layer packed. A packed layer multiplies
     prompts (rows >= its measured crossover) on the AMX tiles or through tiles of dequantized
-    weight and BLAS, whichever measured faster for a prefill chunk of that layer.
+    weight and BLAS or on 16-bit activations against column panels (PANEL, unless `activations`
+    is "float32"), whichever measured faster for a prefill chunk of that layer.
     `restore`: bfloat16 weights by module path to put back (the loader cast everything to
     float32; the kernel reads bfloat16 itself). `activations` (ACTIVATIONS): whether decode rows
     may run on the INT16 kernel, where it measured faster than FLOAT for one row ("auto"), always

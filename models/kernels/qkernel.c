@@ -65,6 +65,7 @@ typedef struct {
     void *xparts;         /* the tile path: x as three bfloat16 parts, in B tiles */
     float *gsum;          /* the tile path: the group sums of x, by group [K/group][Mp] */
     int64_t Mp;           /* M padded to whole blocks of rows (tile_rows_padded) */
+    const int16_t *x16;   /* the panel path: x [M, K] as 16-bit integers per group (panel_prep_x) */
 } Job;
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
@@ -318,6 +319,19 @@ AVX512 static void rows_affine_avx512(const Job *j, int64_t n0, int64_t n1) {
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,fma")))
 #define VROWS 8
 
+/* acc + w . x (vpdpbusd, vpdpwssd) in place. With the intrinsics GCC 12 copied every accumulator
+ * through another register after each product and spilled some to the stack (8 rows: 16
+ * accumulators), and in the panel loop reloaded the weights for every row. */
+VNNI static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "vm"(x));
+    return acc;
+}
+
+VNNI static inline __attribute__((always_inline)) __m512i dpwssd(__m512i acc, __m512i w, __m512i x) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "vm"(x));
+    return acc;
+}
+
 VNNI static inline __attribute__((always_inline)) void vnni_block(
         const Job *j, const Unpack *u, int64_t n, int64_t m0, float *out, const int MB) {
     const int64_t K = j->K, ng = K / j->group;
@@ -338,8 +352,8 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
                     _mm_prefetch((const char *)(wr + PREFETCH_ROWS * row_bytes + (c >> 6) * u->chunk_bytes), _MM_HINT_T0);
                 __m512i v = unpack64(u, wr, c);
                 for (int m = 0; m < MB; m++) {
-                    ih[m] = _mm512_dpbusd_epi32(ih[m], v, _mm512_loadu_si512(xh + m * K + c));
-                    il[m] = _mm512_dpbusd_epi32(il[m], v, _mm512_loadu_si512(xl + m * K + c));
+                    ih[m] = dpbusd(ih[m], v, _mm512_loadu_si512(xh + m * K + c));
+                    il[m] = dpbusd(il[m], v, _mm512_loadu_si512(xl + m * K + c));
                 }
             }
             const float sg = sr[gi];
@@ -355,8 +369,8 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
                 _mm_prefetch((const char *)(wr + PREFETCH_ROWS * row_bytes + (c >> 6) * u->chunk_bytes), _MM_HINT_T0);
             __m512i v = unpack64(u, wr, c);
             for (int m = 0; m < MB; m++) {
-                __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xh + m * K + c));
-                __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xl + m * K + c));
+                __m512i h = dpbusd(_mm512_setzero_si512(), v, _mm512_loadu_si512(xh + m * K + c));
+                __m512i l = dpbusd(_mm512_setzero_si512(), v, _mm512_loadu_si512(xl + m * K + c));
                 __m512i t = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
                 __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(sr[gi] * xd[m * ng + gi]),
                                                _mm256_set1_ps(sr[gi + 1] * xd[m * ng + gi + 1]), 1);
@@ -429,7 +443,7 @@ typedef struct {
 /* Buffers kept per thread, grown as needed and freed when the thread ends: slot 0 for x's parts
  * (at most 3 x TILE_MCHUNK x K x 2 bytes) and 1 for its group sums (the calling thread), 2 for
  * the unpacked panel (TILE_PANEL_BYTES or one block of columns) and 3 for the accumulators (every
- * thread). A fresh panel per call came from a fresh mapping, and its page faults cost more
+ * thread); the panel path (rows_panel) uses them the same way for x16, the panel and its scales. A fresh panel per call came from a fresh mapping, and its page faults cost more
  * than the tile products of a decode batch (a 6144 x 1024 layer, 8 rows: 4.5 ms a call). */
 #define TILE_SLOTS 4
 typedef struct {
@@ -476,6 +490,170 @@ static inline int64_t tile_rows_padded(int64_t M) {
 static int64_t tile_panel_blocks(int64_t K) {
     int64_t p = TILE_PANEL_BYTES / (K * 2 * TILE_COLS);
     return p < 1 ? 1 : p;
+}
+
+/* ---------------------------------------------------------------- 16-bit activations, weights in column panels (VNNI) */
+
+/* Many rows (a prompt, a decode batch) on VNNI without AMX. The row kernels above reduce every
+ * (row, output) pair on its own - a horizontal sum, a scalar scale per group, a scalar bias
+ * loop - which at a few rows and more costs more than the products. Here, as in llama.cpp's
+ * repacked weights, a thread unpacks PANEL_COLS output columns once per call into a
+ * column-interleaved panel: per pair of k, one vector holds the two weights (as 16-bit
+ * integers) of 16 columns, so vpdpwssd with x's pair of 16-bit values broadcast adds 32 exact
+ * products into 16 int32 accumulators, one per output column; the group's scale (a vector of 16
+ * columns) and x's unit d are applied after each group, the bias through x's group sums, all on
+ * vectors. x is rounded exactly as in vnni_block (x16 = round(x / d), d = the group's largest
+ * |x| / 32512), kept as 16-bit integers: |q x16| <= 255 x 32512, so a group of up to 128 sums
+ * exactly in int32 (128 x 8.3e6 < 2^31). */
+#define PANEL_COLS 64  /* output columns per panel: 4 vectors of 16 */
+#define PANEL_MR 6     /* input rows per register tile: 24 int32 accumulators */
+#define PANEL_MCHUNK 512 /* input rows per pass: x16 stays within a few MB */
+
+/* x as 16-bit integers per group, its units d and its group sums, rows r0..r1 (on the pool) */
+VNNI static void panel_prep_x(const Job *j, int64_t r0, int64_t r1) {
+    const int64_t K = j->K, g = j->group, ng = K / g;
+    int16_t *x16 = (int16_t *)j->x16;
+    float *xsum = (float *)j->xsum, *xd = (float *)j->xscale;
+    for (int64_t m = r0; m < r1; m++)
+        for (int64_t gi = 0; gi < ng; gi++) {
+            const float *xg = j->x + m * K + gi * g;
+            __m512 s = _mm512_setzero_ps(), a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < g; k += 16) {
+                const __m512 v = _mm512_loadu_ps(xg + k);
+                s = _mm512_add_ps(s, v);
+                a = _mm512_max_ps(a, _mm512_abs_ps(v));
+            }
+            const float amax = _mm512_reduce_max_ps(a);
+            xsum[m * ng + gi] = _mm512_reduce_add_ps(s);
+            xd[m * ng + gi] = amax / 32512.0f;
+            const __m512 inv = _mm512_set1_ps(amax > 0 ? 32512.0f / amax : 0.0f);
+            for (int64_t k = 0; k < g; k += 16) /* rounded to nearest even, as lrintf */
+                _mm256_storeu_si256((__m256i *)(x16 + m * K + gi * g + k),
+                                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                                        _mm512_mul_ps(_mm512_loadu_ps(xg + k), inv))));
+        }
+}
+
+/* r[i] (16 dwords each) becomes its transpose: r[t] dword i = old r[i] dword t */
+VNNI static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int a = 0; a < 4; a++) { /* u[4a + b], lane L: rows 4a..4a+3 of column 4L + b */
+        u[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int b = 0; b < 4; b++) { /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i v0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xEE);
+        r[b] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + b] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + b] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + b] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* Columns n0 .. n0 + PANEL_COLS - 1 of W into the panel: dword (p * 4 + c) * 16 + i holds the
+ * weights k = 2p, 2p + 1 of column n0 + 16 c + i as two 16-bit integers; their scales and
+ * biases as [group][PANEL_COLS] floats. */
+VNNI static void panel_pack(const Job *j, const Unpack *u, int64_t n0, int32_t *panel, float *ps) {
+    const int64_t K = j->K, ng = K / j->group, row_bytes = K * j->bits / 8;
+    uint8_t tmp[16][64] __attribute__((aligned(64)));
+    for (int c = 0; c < PANEL_COLS / 16; c++) {
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {
+            for (int i = 0; i < 16; i++)
+                _mm512_store_si512(tmp[i], unpack64(u, j->w + (n0 + 16 * c + i) * row_bytes, k0));
+            for (int half = 0; half < 2; half++) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i *)(tmp[i] + 32 * half)));
+                transpose16(r);
+                const int64_t p0 = k0 / 2 + 16 * half;
+                for (int t = 0; t < 16; t++)
+                    _mm512_store_si512(panel + ((p0 + t) * 4 + c) * 16, r[t]);
+            }
+        }
+    }
+    for (int64_t gi = 0; gi < ng; gi++)
+        for (int col = 0; col < PANEL_COLS; col++) {
+            ps[gi * PANEL_COLS + col] = j->scales[(n0 + col) * ng + gi];
+            ps[(ng + gi) * PANEL_COLS + col] = j->biases[(n0 + col) * ng + gi];
+        }
+}
+
+/* rows m0 .. m0 + MB - 1 against one panel: out[m, n0 .. n0 + 63] */
+VNNI static inline __attribute__((always_inline)) void panel_tile(
+        const Job *j, const int32_t *panel, const float *ps, int64_t n0, int64_t m0, const int MB) {
+    const int64_t K = j->K, g = j->group, ng = K / g, kpg = g / 2;
+    const int16_t *x16 = j->x16 + m0 * K;
+    const float *xd = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng;
+    __m512 f[PANEL_MR][4];
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < 4; c++) f[m][c] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < ng; gi++) {
+        __m512i acc[PANEL_MR][4];
+        for (int m = 0; m < MB; m++)
+            for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_si512();
+        for (int64_t p = gi * kpg; p < (gi + 1) * kpg; p++) {
+            const int32_t *wp = panel + p * 64;
+            const __m512i w0 = _mm512_load_si512(wp), w1 = _mm512_load_si512(wp + 16),
+                          w2 = _mm512_load_si512(wp + 32), w3 = _mm512_load_si512(wp + 48);
+            for (int m = 0; m < MB; m++) {
+                int32_t pair;
+                memcpy(&pair, x16 + m * K + 2 * p, 4);
+                const __m512i b = _mm512_set1_epi32(pair);
+                acc[m][0] = dpwssd(acc[m][0], w0, b);
+                acc[m][1] = dpwssd(acc[m][1], w1, b);
+                acc[m][2] = dpwssd(acc[m][2], w2, b);
+                acc[m][3] = dpwssd(acc[m][3], w3, b);
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m512 s = _mm512_load_ps(ps + gi * PANEL_COLS + 16 * c);
+            for (int m = 0; m < MB; m++)
+                f[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][c]),
+                                          _mm512_mul_ps(s, _mm512_set1_ps(xd[m * ng + gi])), f[m][c]);
+        }
+    }
+    for (int64_t gi = 0; gi < ng; gi++)
+        for (int c = 0; c < 4; c++) {
+            const __m512 bv = _mm512_load_ps(ps + (ng + gi) * PANEL_COLS + 16 * c);
+            for (int m = 0; m < MB; m++)
+                f[m][c] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[m * ng + gi]), f[m][c]);
+        }
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(j->out + (m0 + m) * j->N + n0 + 16 * c, f[m][c]);
+}
+
+/* units are panels of PANEL_COLS output columns: each unpacked once, every row run against it */
+VNNI static void rows_panel(const Job *j, int64_t u0, int64_t u1) {
+    const int64_t K = j->K, ng = K / j->group;
+    int32_t *panel = tile_buffer(2, (size_t)(K / 2 * PANEL_COLS) * sizeof(int32_t));
+    float *ps = tile_buffer(3, (size_t)(2 * ng * PANEL_COLS) * sizeof(float));
+    if (!panel || !ps) abort(); /* a few hundred KB; a worker cannot report it */
+    Unpack u;
+    make_unpack(&u, j);
+    for (int64_t p = u0; p < u1; p++) {
+        const int64_t n0 = p * PANEL_COLS;
+        panel_pack(j, &u, n0, panel, ps);
+        for (int64_t m0 = 0; m0 < j->M; m0 += PANEL_MR) {
+            const int mb = (int)(j->M - m0 < PANEL_MR ? j->M - m0 : PANEL_MR);
+            switch (mb) {
+            case 1: panel_tile(j, panel, ps, n0, m0, 1); break;
+            case 2: panel_tile(j, panel, ps, n0, m0, 2); break;
+            case 3: panel_tile(j, panel, ps, n0, m0, 3); break;
+            case 4: panel_tile(j, panel, ps, n0, m0, 4); break;
+            case 5: panel_tile(j, panel, ps, n0, m0, 5); break;
+            default: panel_tile(j, panel, ps, n0, m0, 6); break;
+            }
+        }
+    }
 }
 
 /* x [M, K] float32 into B tiles of its three bfloat16 parts: tile (part, block of 16 rows, 32-deep
@@ -1061,7 +1239,7 @@ static void run_range(const Job *j, RowsFn fn, int64_t lo, int64_t hi) {
     const int64_t N = hi - lo;
     /* small products (a few thousand rows of work) are not worth waking anyone */
     int64_t work_units = N * j->K * (j->M < ROWS ? j->M : ROWS);
-    if (n_threads <= 1 || (work_units < (1 << 18) && !j->xparts)) { /* tile jobs: N counts panels */
+    if (n_threads <= 1 || (work_units < (1 << 18) && !j->xparts && !j->x16)) { /* tile and panel jobs: N counts panels */
         fn(j, lo, hi);
         return;
     }
@@ -1114,9 +1292,15 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOLLLii|i", &ox, &ow, &os, &ob, &oo, &M, &N, &K, &bits, &group,
                           &mode))
         return NULL;
-    if (mode < 0 || mode > 3)
-        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int16), 2 (BLAS) or 3 (tiles), not %d",
-                            mode);
+    if (mode < 0 || mode > 4)
+        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int16), 2 (BLAS), 3 (tiles) or 4 "
+                            "(int16 panels), not %d", mode);
+    if (mode == 4 && !have_vnni)
+        return PyErr_Format(PyExc_RuntimeError, "the panel mode needs AVX-512 VNNI, which this CPU does not offer");
+    if (mode == 4 && (bits == 16 || N % 64 || K % 64 || (group != 32 && group != 64 && group != 128)))
+        return PyErr_Format(PyExc_ValueError, "the panel mode needs affine weights, N a multiple of %d, K of 64 "
+                            "and a group of 32, 64 or 128 (N=%lld K=%lld bits=%d group=%d)", 64, N, K,
+                            bits, group);
     if (mode == 3 && !have_amx)
         return PyErr_Format(PyExc_RuntimeError, "the tile mode needs AMX (amx-tile, amx-bf16), which this CPU "
                             "or kernel does not offer");
@@ -1196,6 +1380,27 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum, x8,
              xscale, NULL, 0, NULL, M, N, K, bits, group};
 #ifdef MIXBIT_X86
+    if (mode == 4) {
+        /* up to PANEL_MCHUNK rows at a time: x16, its units and sums in buffers kept per thread */
+        const int64_t mc = M < PANEL_MCHUNK ? M : PANEL_MCHUNK, ng = K / group;
+        int16_t *x16 = tile_buffer(0, (size_t)(mc * K) * sizeof(int16_t));
+        float *xsd = tile_buffer(1, (size_t)(2 * mc * ng) * sizeof(float));
+        if (!x16 || !xsd) { PyErr_NoMemory(); goto fail_o; }
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t m0 = 0; m0 < M; m0 += PANEL_MCHUNK) {
+            Job jc = j;
+            jc.x = (const float *)bx.buf + m0 * K;
+            jc.out = (float *)bo.buf + m0 * N;
+            jc.M = M - m0 < PANEL_MCHUNK ? M - m0 : PANEL_MCHUNK;
+            jc.x16 = x16;
+            jc.xsum = xsd;
+            jc.xscale = xsd + mc * ng;
+            jc.min_block = 1;
+            run_range(&jc, panel_prep_x, 0, jc.M);
+            run_range(&jc, rows_panel, 0, N / PANEL_COLS);
+        }
+        Py_END_ALLOW_THREADS
+    } else
     if (mode == 3) {
         /* prompts of up to TILE_MCHUNK rows at a time: x's parts and sums for one chunk, in
          * buffers kept per thread (a fresh mapping per call cost its page faults every time) */
@@ -1419,7 +1624,8 @@ static PyMethodDef methods[] = {
      "for MLX packed W (bits 2-8, affine, float32 scales/biases) or bfloat16 W (bits 16). mode 0: "
      "float32 FMAs on the packed weights; 1: activations as 16-bit integers per group, exact integer "
      "products (VNNI, where the CPU has it; else as 0); 2: W dequantized in tiles and multiplied by "
-     "cblas_sgemm; 3: AMX tiles."},
+     "cblas_sgemm; 3: AMX tiles; 4: the 16-bit activations of 1 against W unpacked into column panels "
+     "(VNNI; many rows)."},
     {"gated_delta_scan", py_gated_delta_scan, METH_VARARGS,
      "gated_delta_scan(q, k, v, g, beta, state, y, state_out, B, T, H, Dk, Dv): the gated delta rule "
      "over T tokens for B sequences of H heads (a decode step is T = 1), float32 buffers."},
