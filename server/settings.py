@@ -124,9 +124,10 @@ class GenerationSettings(_Section):
         "quantized_matmul, prompts through a transient dequantized weight), auto: per layer shape, "
         "packed unless dense float32 measured faster and fits a quarter of physical memory")
     cpu_activations: Literal["auto", "float32", "int16"] = Field(
-        "auto", description="how decode rows enter the packed CPU kernels: float32 (exact), int16 "
+        "auto", description="how activations enter the packed CPU kernels: float32 (exact), int16 "
         "(16-bit integers per group of the weight, within 1/65024 of the group's largest value, "
-        "where the CPU has AVX-512 VNNI), auto: int16 for the layer shapes where it measured faster")
+        "where the CPU has AVX-512 VNNI: decode rows, and prompts and decode batches against "
+        "column panels), auto: per layer shape, whichever measured faster at load")
     max_tokens: int = Field(512, ge=1, description="default when a request names none")
     temperature: float = Field(0.7, ge=0.0, le=2.0)
     top_p: float = Field(0.8, gt=0.0, le=1.0)

@@ -1,7 +1,8 @@
 """Prompt rows through one packed projection, per path of the kernels: the float32 FMA kernel
 (decode's), its 16-bit integer activation twin (INT16, where the CPU has AVX-512 VNNI), the
-weight dequantized in tiles and multiplied by OpenBLAS's sgemm (BLAS), and AMX tiles with x split
-exactly into three bfloat16 parts (TILES, where the CPU has AMX). One table.
+weight dequantized in tiles and multiplied by OpenBLAS's sgemm (BLAS), INT16's activations against
+the weight unpacked into column panels (PANEL, VNNI), and AMX tiles with x split exactly into
+three bfloat16 parts (TILES, where the CPU has AMX). One table.
 
     .venv/bin/python tests/bench/prompt_matmul_bench.py [--rows 256,2048] [--repeat 5]
 
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
         paths["INT16"] = kernels.INT16
     if kernels.blas_available():
         paths["BLAS"] = kernels.BLAS
+    if kernels.info().get("vnni"):  # the same activations against column panels (many rows)
+        paths["PANEL"] = kernels.PANEL
     print(f"kernels {kernels.info()}, BLAS: {blas.name}")
     print("\n| projection | out x in | bits | rows | " + " | ".join(f"{p} ms" for p in paths)
           + " | TILES ms | TILES / best other | TILES max rel. error |")
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
                 modes["TILES"] = kernels.TILES
             for p, mode in modes.items():
                 if p in ("kernel", "INT16") and rows * n * k > 4e9:  # minutes: decode kernels, not for prompts
+                    continue
+                if p == "PANEL" and not kernels.panel_support(n, k, bits, group):
                     continue
                 kernels.matmul(x, w, s, b, bits, group, mode=mode)
                 ts = []
