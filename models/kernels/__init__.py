@@ -336,6 +336,18 @@ def _time(fn, reps: int, rounds: int = 3) -> float:
     return best
 
 
+def _prompt_paths(n: int, k: int, bits: int, group: int, activations: str) -> dict:
+    """The prompt paths that run for a layer shape, by name: BLAS where the process has a
+    cblas_sgemm, TILES where tiles_support, PANEL where panel_support and `activations` allows
+    16-bit activations ("int16": PANEL alone where it runs)."""
+    paths = {"blas": BLAS} if blas_available() else {}
+    if tiles_support(n, k, bits, group):
+        paths["tiles"] = TILES
+    if activations != "float32" and panel_support(n, k, bits, group):
+        paths = {"panel": PANEL} if activations == "int16" else {**paths, "panel": PANEL}
+    return paths
+
+
 def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activations: str = "float32") -> dict:
     """Seconds per call of one layer, per number of rows: the packed kernel (FLOAT, "kernel";
     with `activations` "auto" or "int16" also INT16, "int16", where int16_support), the
@@ -358,11 +370,7 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activati
     dense = w[:part].astype(mx.float32) if bits == 16 else mx.dequantize(
         w[:part], s[:part], b[:part], group_size=group, bits=bits)
     mx.eval(dense, s, b)
-    prompt = {name: mode for name, mode in PROMPT_PATHS.items()
-              if (blas_available() if mode == BLAS else tiles_support(n, k, bits, group) if mode == TILES
-                  else activations != "float32" and panel_support(n, k, bits, group))}
-    if activations == "int16" and "panel" in prompt:
-        prompt = {"panel": PANEL}
+    prompt = _prompt_paths(n, k, bits, group, activations)
     decode = {"kernel": FLOAT, "int16": INT16}
     if activations == "float32" or not int16_support(k, bits, group):
         del decode["int16"]
@@ -424,8 +432,8 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
     is "float32"), whichever measured faster for a prefill chunk of that layer.
     `restore`: bfloat16 weights by module path to put back (the loader cast everything to
     float32; the kernel reads bfloat16 itself). `activations` (ACTIVATIONS): whether decode rows
-    may run on the INT16 kernel, where it measured faster than FLOAT for one row ("auto"), always
-    where it runs ("int16"), or never ("float32"). Returns a summary for the log and /v1/models."""
+    may run on the INT16 kernel and prompts on PANEL, where they measured faster ("auto"), always
+    where they run ("int16"), or never ("float32"). Returns a summary for the log and /v1/models."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations {activations!r}: allowed {', '.join(ACTIVATIONS)}")
     import mlx.core as mx

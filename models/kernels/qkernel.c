@@ -1284,6 +1284,16 @@ static int get_buf(PyObject *o, Py_buffer *b, int writable, const char *what) {
     return 0;
 }
 
+/* a pass over rows m0 .. m0 + chunk - 1 of a job (fewer at the end): x and out from row m0 on */
+static inline Job rows_chunk(const Job *j, int64_t m0, int64_t chunk) {
+    Job c = *j;
+    c.x = j->x + m0 * j->K;
+    c.out = j->out + m0 * j->N;
+    c.M = j->M - m0 < chunk ? j->M - m0 : chunk;
+    c.min_block = 1;
+    return c;
+}
+
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ox, *ow, *os, *ob, *oo;
@@ -1388,14 +1398,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         if (!x16 || !xsd) { PyErr_NoMemory(); goto fail_o; }
         Py_BEGIN_ALLOW_THREADS
         for (int64_t m0 = 0; m0 < M; m0 += PANEL_MCHUNK) {
-            Job jc = j;
-            jc.x = (const float *)bx.buf + m0 * K;
-            jc.out = (float *)bo.buf + m0 * N;
-            jc.M = M - m0 < PANEL_MCHUNK ? M - m0 : PANEL_MCHUNK;
+            Job jc = rows_chunk(&j, m0, PANEL_MCHUNK);
             jc.x16 = x16;
             jc.xsum = xsd;
             jc.xscale = xsd + mc * ng;
-            jc.min_block = 1;
             run_range(&jc, panel_prep_x, 0, jc.M);
             run_range(&jc, rows_panel, 0, N / PANEL_COLS);
         }
@@ -1412,14 +1418,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         if (!xp || !xsum_t) { PyErr_NoMemory(); goto fail_o; }
         Py_BEGIN_ALLOW_THREADS
         for (int64_t m0 = 0; m0 < M; m0 += TILE_MCHUNK) {
-            Job jc = j;
-            jc.x = (const float *)bx.buf + m0 * K;
-            jc.out = (float *)bo.buf + m0 * N;
-            jc.M = M - m0 < TILE_MCHUNK ? M - m0 : TILE_MCHUNK;
+            Job jc = rows_chunk(&j, m0, TILE_MCHUNK);
             jc.Mp = tile_rows_padded(jc.M);
             jc.xparts = xp;
             jc.gsum = xsum_t;
-            jc.min_block = 1;
             run_range(&jc, tiles_split_x, 0, jc.Mp / 16);
             run_range(&jc, rows_tiles, 0, (N / TILE_COLS + panels - 1) / panels);
         }
