@@ -123,7 +123,7 @@ class GenerationSettings(_Section):
         "kernels on the packed weights), dense (float32, dequantized once at load), mlx (MLX's "
         "quantized_matmul, prompts through a transient dequantized weight), auto: per layer shape, "
         "packed unless dense float32 measured faster and fits a quarter of physical memory")
-    cpu_activations: Literal["auto", "float32", "int16"] = Field(
+    cpu_activations: Literal["auto", "float32", "int16", "int8"] = Field(
         "auto", description="how activations enter the packed CPU kernels: float32 (exact), int16 "
         "(16-bit integers per group of the weight, within 1/65024 of the group's largest value, "
         "where the CPU has AVX-512 VNNI: decode rows, and prompts and decode batches against "

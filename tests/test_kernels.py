@@ -282,17 +282,51 @@ def test_panel_mode_computes_what_int16_computes(bits, group):
         assert np.abs(got - ref).max() <= 5e-4 * scale and np.abs(got - ref).max() > 0, (m, n, k)
 
 
+@needs_int16
+@pytest.mark.parametrize("bits,group", [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)])
+def test_int8_panel_mode_rounds_x_to_8_bits_and_multiplies_exactly(bits, group):
+    """PANEL8 (PANEL's panels, x as 8-bit integers per group, vpdpbusd) gives exactly what the
+    float64 product of the dequantized weight with x rounded to 8 bits per group (round(x / d),
+    d = the group's largest |x| / 127) gives - to float32 rounding - every width and group, rows
+    not a multiple of the register tile, one row, more rows than a pass, an outlier channel; and
+    it is within the 8-bit rounding's bound of the exact product, not within INT16's."""
+    for m, n, k in ((1, 64, 256), (13, 128, 384), (64, 192, 128), (520, 64, 256)):
+        x, w, s, b = _case(m, n, k, bits, group, seed=m)
+        x = x * mx.where(mx.arange(k) % 97 == 3, 30.0, 1.0)
+        got = np.array(kernels.matmul(x, w, s, b, bits, group, mode=kernels.PANEL8))
+        # rounded as the kernel rounds: x * (127 / amax) in float32, to nearest even
+        xg = np.array(x, np.float32).reshape(m, k // group, group)
+        amax = np.abs(xg).max(-1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        x8 = (np.rint(xg * inv).astype(np.float64) * (amax / np.float32(127))).reshape(m, k)
+        wd = np.array(mx.dequantize(w, s, b, group_size=group, bits=bits), np.float64)
+        exact = np.array(x, np.float64) @ wd.T
+        # w = s q + b per group; the kernel takes s q against the rounded x and b against x's own
+        # group sums: the rounded product plus b times what the rounding took off each group
+        lost = (np.array(x, np.float64) - x8).reshape(m, k // group, group).sum(-1)  # [m, groups]
+        rounded = x8 @ wd.T + lost @ np.array(b, np.float64).T
+        scale = np.abs(exact).max()
+        assert got.shape == (m, n)
+        assert np.abs(got - rounded).max() <= 2e-5 * scale, (m, n, k)
+        err = np.abs(got - exact).max()
+        assert 5e-4 * scale < err <= 0.2 * scale, (m, n, k, err / scale)
+
+
 @needs_kernels
 def test_panel_mode_refuses_what_it_cannot_do():
     x, w, s, b = _case(40, 96, 256, 4, 64)
     out = np.empty((40, 96), np.float32)
     if not kernels.info().get("vnni"):
-        with pytest.raises(RuntimeError, match="VNNI"):
-            kernels._qkernel.matmul(x, w, s, b, out, 40, 96, 256, 4, 64, kernels.PANEL)
+        for mode in (kernels.PANEL, kernels.PANEL8):
+            with pytest.raises(RuntimeError, match="VNNI"):
+                kernels._qkernel.matmul(x, w, s, b, out, 40, 96, 256, 4, 64, mode)
         assert not kernels.panel_support(128, 256, 4, 64)
         return
-    with pytest.raises(ValueError, match="multiple of 64"):  # 96 output columns
-        kernels._qkernel.matmul(x, w, s, b, out, 40, 96, 256, 4, 64, kernels.PANEL)
+    for mode in (kernels.PANEL, kernels.PANEL8):
+        with pytest.raises(ValueError, match="multiple of 64"):  # 96 output columns
+            kernels._qkernel.matmul(x, w, s, b, out, 40, 96, 256, 4, 64, mode)
+    with pytest.raises(ValueError, match="mode must be"):
+        kernels._qkernel.matmul(x, w, s, b, out, 40, 96, 256, 4, 64, 6)
     assert not kernels.panel_support(96, 256, 4, 64) and kernels.panel_support(128, 256, 4, 64)
     assert not kernels.panel_support(128, 256, 16, 0)
 
@@ -300,27 +334,29 @@ def test_panel_mode_refuses_what_it_cannot_do():
 @needs_int16
 def test_decode_activations_setting(embedded_path):
     """serve(activations=...): "float32" keeps every decode row on the float kernel, "int16" puts
-    every packed affine layer on the integer one, "auto" decides per shape by timing (the plan
-    says which); the model's decode logits differ by far less than quantization moves them
-    (KLD < 1e-5 between the two, same greedy tokens), and a bad value is refused."""
+    every packed affine layer on the integer one ("int8" too, its prompts on 8-bit panels),
+    "auto" decides per shape by timing (the plan says which); the model's decode logits differ by
+    far less than quantization moves them (KLD < 1e-5 between the two, same greedy tokens),
+    "int8" changes nothing but the engine's prefill, and a bad value is refused."""
     models = {}
-    for act in ("float32", "int16", "auto"):
+    for act in ("float32", "int16", "int8", "auto"):
         model, _ = _packed_and_dense(embedded_path, lambda p: "mlp" in p or "embed" in p)
         plan = kernels.serve(model, "packed", small=0, activations=act)
         assert {r["decode"] for r in plan["shapes"]} <= ({"float32"} if act == "float32" else
-                                                          {"int16"} if act == "int16" else
+                                                          {"int16"} if act in ("int16", "int8") else
                                                           {"float32", "int16"})
         # every packed layer runs its decode rows as the plan says for its shape
         planned = {(r["out"], r["in"], r["bits"], r["group"]): r["decode"] for r in plan["shapes"]}
         packed = [m for _, m in model.named_modules() if type(m).__name__.startswith("Packed")]
         assert packed and all(m._decode_mode == {"float32": kernels.FLOAT, "int16": kernels.INT16}[
             planned[kernels._shape_key(m)]] for m in packed)
-        # prompts: the 16-bit panels never under "float32", wherever they run under "int16"
+        # prompts: no integer panels under "float32", the 16-bit ones wherever they run under
+        # "int16", the 8-bit ones under "int8"
         for r in plan["shapes"]:
             if act == "float32":
-                assert r["prefill"] != "panel"
-            elif act == "int16" and kernels.panel_support(r["out"], r["in"], r["bits"], r["group"]):
-                assert r["prefill"] == "panel"
+                assert r["prefill"] not in ("panel", "panel8")
+            elif act in ("int16", "int8") and kernels.panel_support(r["out"], r["in"], r["bits"], r["group"]):
+                assert r["prefill"] == {"int16": "panel", "int8": "panel8"}[act]
         models[act] = model
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -335,9 +371,34 @@ def test_decode_activations_setting(embedded_path):
     kld = float((mx.exp(lp["float32"]) * (lp["float32"] - lp["int16"])).sum(-1).max())
     assert 0 < kld < 1e-5, kld
     assert bool(mx.all(logits["float32"].argmax(-1) == logits["int16"].argmax(-1)))
+
+    # "int8": 8-bit activations only for the engine's prefill (prompt_logits_unused), where a
+    # request reads the prompt only through the state it leaves; teacher-forced scoring (fidelity,
+    # prompt logprobs), output heads and decode batches compute exactly what "int16" computes
+    from mlx_lm.models.cache import ArraysCache
+
+    prompt = mx.array([[5, 9, 200, 31, 77, 1024, 17, 3, 99, 450, 12, 6]])
+    batch = mx.array([[7], [11], [13], [300], [8], [9]])
+    scored, states, stepped = {}, {}, {}
+    for act in ("int16", "int8"):
+        model = models[act]
+        scored[act] = model(prompt)  # teacher-forced, outside the engine's steps
+        cache = make_prompt_cache(model)
+        with kernels.prompt_logits_unused():
+            model(prompt, cache=cache)
+        states[act] = [c[1] for c in cache if isinstance(c, ArraysCache)]  # GatedDeltaNet states
+        batched = make_prompt_cache(model)
+        model(mx.repeat(prompt, 6, 0), cache=batched)  # the same state in every row, then one batch step
+        with kernels.prompt_logits_unused():
+            stepped[act] = model(batch, cache=batched)
+        mx.eval(scored[act], states[act], stepped[act])
+    np.testing.assert_array_equal(np.array(scored["int8"]), np.array(scored["int16"]))
+    np.testing.assert_array_equal(np.array(stepped["int8"]), np.array(stepped["int16"]))
+    gap = max(float(mx.abs(a - b).max() / mx.abs(b).max()) for a, b in zip(states["int8"], states["int16"]))
+    assert 1e-5 < gap < 0.1, gap  # the prefill did run on 8-bit activations, close to 16-bit ones
     model, _ = _packed_and_dense(embedded_path, lambda p: "embed" in p)
     with pytest.raises(ValueError, match="activations"):
-        kernels.serve(model, "packed", small=0, activations="int8")
+        kernels.serve(model, "packed", small=0, activations="int4")
 
 
 def test_built_at_install():

@@ -47,7 +47,7 @@ def test_repo_config_toml_is_valid_and_matches_defaults():
     ("[server]\nport = 70000\n", "server.port"),
     ("[server]\nlog_level = 'loud'\n", "'debug', 'info', 'warning' or 'error'"),
     ("[generation]\ncompute_dtype = 'int4'\n", "generation.compute_dtype"),
-    ("[generation]\ncpu_activations = 'int8'\n", "generation.cpu_activations"),
+    ("[generation]\ncpu_activations = 'int4'\n", "generation.cpu_activations"),
     ("[server\n", "not valid TOML"),
 ])
 def test_bad_file_values_name_the_key(tmp_path, text, needle):

@@ -95,14 +95,15 @@ def supports(bits: int, group_size: int, in_features: int, mode: str = "affine")
     return bits in (2, 3, 4, 5, 6, 8) and group_size >= 32 and in_features % group_size == 0
 
 
-FLOAT, INT16, BLAS, TILES, PANEL = 0, 1, 2, 3, 4  # the kernel's modes (qkernel.c)
+FLOAT, INT16, BLAS, TILES, PANEL, PANEL8 = 0, 1, 2, 3, 4, 5  # the kernel's modes (qkernel.c)
 # how a packed layer's activations enter its kernels (generation.cpu_activations): "auto" times
 # the float and the 16-bit integer kernels (decode rows: FLOAT, INT16; many rows: also PANEL)
 # and keeps the fastest per layer shape, "float32" only the exact float paths, "int16" the
-# 16-bit integer kernels wherever they run
-ACTIVATIONS = ("auto", "float32", "int16")
+# 16-bit integer kernels wherever they run, "int8" 8-bit integer activations for many rows
+# (PANEL8, as llama.cpp's CPU kernels quantize theirs) and INT16 for single decode rows
+ACTIVATIONS = ("auto", "float32", "int16", "int8")
 PROMPT_ROWS = 256  # the rows at which the prompt paths are compared: a prefill chunk
-PROMPT_PATHS = {"blas": BLAS, "tiles": TILES, "panel": PANEL}
+PROMPT_PATHS = {"blas": BLAS, "tiles": TILES, "panel": PANEL, "panel8": PANEL8}
 # Dense float32 must also win at this many rows (a decode batch), timed right after a kernel
 # call: inside a decode step MLX's dense matmul goes through OpenBLAS, whose threads then compete
 # with the kernels' (the 0.8B shape's 512 x 1024 k/v projections: 0.07 ms dense against 0.17 on
@@ -172,7 +173,9 @@ def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int 
     integers per group, within 1/65024 of the group's largest value, the products exact in int32
     on VNNI, where int16_support: decode rows, where it measured faster; docs/cpu-serving.md),
     PANEL (INT16's activations, the weights unpacked once per call into panels of 64 output
-    columns for vpdpwssd: many rows, where panel_support)."""
+    columns for vpdpwssd: many rows, where panel_support), PANEL8 (PANEL's panels with the
+    activations as 8-bit integers per group, within 1/254 of the group's largest value, for
+    vpdpbusd: ~1.5x PANEL, where panel_support)."""
     import mlx.core as mx
 
     start()
@@ -339,12 +342,15 @@ def _time(fn, reps: int, rounds: int = 3) -> float:
 def _prompt_paths(n: int, k: int, bits: int, group: int, activations: str) -> dict:
     """The prompt paths that run for a layer shape, by name: BLAS where the process has a
     cblas_sgemm, TILES where tiles_support, PANEL where panel_support and `activations` allows
-    16-bit activations ("int16": PANEL alone where it runs)."""
+    16-bit activations, PANEL8 where it allows 8-bit ones ("auto": both beside the float paths;
+    "int16": PANEL alone where it runs; "int8": PANEL8 and PANEL there, PANEL for decode
+    batches and heads, _kernel_mode)."""
     paths = {"blas": BLAS} if blas_available() else {}
     if tiles_support(n, k, bits, group):
         paths["tiles"] = TILES
     if activations != "float32" and panel_support(n, k, bits, group):
-        paths = {"panel": PANEL} if activations == "int16" else {**paths, "panel": PANEL}
+        paths = ({"panel": PANEL} if activations == "int16" else {"panel8": PANEL8, "panel": PANEL}
+                 if activations == "int8" else {**paths, "panel": PANEL, "panel8": PANEL8})
     return paths
 
 
@@ -374,7 +380,7 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activati
     decode = {"kernel": FLOAT, "int16": INT16}
     if activations == "float32" or not int16_support(k, bits, group):
         del decode["int16"]
-    elif activations == "int16":
+    elif activations in ("int16", "int8"):
         del decode["kernel"]
     out = {}
     for m in rows:
@@ -492,13 +498,17 @@ def serve(model, mode: str = "auto", dense_budget: int = 0, restore: dict | None
         rows_t = {m: v for m, v in t.items() if m != "prompt"}
         paths = t.get("prompt") or {p: 0.0 for p in rows_t[max(rows_t)] if p in PROMPT_PATHS}
         best = min(paths, key=paths.get) if paths else None
+        if activations == "int8" and "panel8" in paths:  # wherever it runs (PANEL was timed for batches)
+            best = "panel8"
         dec = decode_kind(t)
-        wins = [m for m in sorted(rows_t) if m > 1 and rows_t[m].get(best, float("inf")) < rows_t[m][dec]]
+        # decode batches under PANEL8 run on PANEL (_kernel_mode): its rows decide the crossover
+        batch = "panel" if best == "panel8" else best
+        wins = [m for m in sorted(rows_t) if m > 1 and rows_t[m].get(batch, float("inf")) < rows_t[m][dec]]
         cross = wins[0] if wins else 2 * max(rows_t)
         module._prefill_rows = cross
         module._prompt_mode = PROMPT_PATHS.get(best)
         module._decode_mode = INT16 if dec == "int16" else FLOAT
-        module._head = path.endswith("lm_head")
+        module._head = path.endswith("lm_head") or type(module) in (nn.QuantizedEmbedding, nn.Embedding)
         if kind == "quantized":
             module.scales = module.scales.astype(mx.float32)
             module.biases = module.biases.astype(mx.float32)
@@ -585,10 +595,19 @@ def _route(layer, x) -> str:
 
 
 def _kernel_mode(layer, x) -> int:
-    """The kernels' mode for `x`: the measured prompt mode (AMX tiles or BLAS) for a prompt where
-    there is one, the measured decode mode (FLOAT or INT16) otherwise (decode rows; a tied head
-    over a prompt without one)."""
+    """The kernels' mode for `x`: the measured prompt mode (AMX tiles, BLAS, PANEL or PANEL8) for
+    many rows where there is one, the measured decode mode (FLOAT or INT16) otherwise (decode
+    rows; a tied head over a prompt without one). PANEL8's 8-bit activations are for the engine's
+    prefill only (inside `prompt_logits_unused()`), inside the layers, whose outputs a request
+    reads only through the state they leave (KLD 4e-5 against float32 on the embedded model,
+    `tests/bench/activations_kld.py`): a decode batch (one position per sequence), an output head
+    and teacher-forced scoring (fidelity checks, prompt logprobs) take PANEL's 16-bit ones, so a
+    token's logits do not depend on how many requests share its step, and a fidelity check
+    scores the function that produced the tokens."""
     if _rows(x) >= layer._prefill_rows and layer._prompt_mode is not None:
+        if layer._prompt_mode == PANEL8 and (layer._head or _positions(x) == 1
+                                             or not getattr(_local, "lazy_head", False)):
+            return PANEL
         return layer._prompt_mode
     return layer._decode_mode
 
@@ -694,8 +713,8 @@ def _classes():
     import mlx.core as mx
     import mlx.nn as nn
 
-    # set by serve(): from how many rows a call is a prompt, and its path (BLAS, TILES or None:
-    # MLX's dense matmul)
+    # set by serve(): from how many rows a call is a prompt, and its path (BLAS, TILES, PANEL,
+    # PANEL8 or None: MLX's dense matmul)
     class PackedLinear(nn.QuantizedLinear):
         _head = False
         _prompt_mode = None
@@ -714,6 +733,7 @@ def _classes():
             return y + self["bias"] if "bias" in self else y
 
     class PackedEmbedding(nn.QuantizedEmbedding):
+        _head = True  # used as the tied output head
         _prompt_mode = None
         _decode_mode = FLOAT
 
@@ -737,6 +757,7 @@ def _classes():
             return y + self["bias"].astype(mx.float32) if "bias" in self else y
 
     class Bf16Embedding(nn.Embedding):
+        _head = True  # used as the tied output head
         _prompt_mode = None
         _decode_mode = FLOAT
 

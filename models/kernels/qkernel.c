@@ -66,6 +66,7 @@ typedef struct {
     float *gsum;          /* the tile path: the group sums of x, by group [K/group][Mp] */
     int64_t Mp;           /* M padded to whole blocks of rows (tile_rows_padded) */
     const int16_t *x16;   /* the panel path: x [M, K] as 16-bit integers per group (panel_prep_x) */
+    const int8_t *xq;     /* the 8-bit panel path: x [M, K] as 8-bit integers per group (panel8_prep_x) */
 } Job;
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
@@ -656,6 +657,126 @@ VNNI static void rows_panel(const Job *j, int64_t u0, int64_t u1) {
     }
 }
 
+/* ---------------------------------------------------------------- 8-bit activations, weights in column panels (VNNI) */
+
+/* PANEL's layout with x as 8-bit integers per group, as llama.cpp's CPU kernels quantize their
+ * activations (Q8_0/Q8_K): x8 = round(x / d), d = the group's largest |x| / 127, so each value
+ * is within d / 2 (1 / 254 of the group's largest) - coarser than INT16's 1 / 65024, hence a
+ * setting of its own (generation.cpu_activations = "int8"). vpdpbusd takes four unsigned weight
+ * bytes (q < 256) against four signed x bytes: 64 exact products an instruction, twice
+ * vpdpwssd's, and the panel holds one byte a weight, half of PANEL's. |q x8| <= 255 x 127, so a
+ * group of up to 128 sums exactly in int32. The bias goes through x's float group sums, as in
+ * PANEL. */
+VNNI static void panel8_prep_x(const Job *j, int64_t r0, int64_t r1) {
+    const int64_t K = j->K, g = j->group, ng = K / g;
+    int8_t *x8 = (int8_t *)j->xq;
+    float *xsum = (float *)j->xsum, *xd = (float *)j->xscale;
+    for (int64_t m = r0; m < r1; m++)
+        for (int64_t gi = 0; gi < ng; gi++) {
+            const float *xg = j->x + m * K + gi * g;
+            __m512 s = _mm512_setzero_ps(), a = _mm512_setzero_ps();
+            for (int64_t k = 0; k < g; k += 16) {
+                const __m512 v = _mm512_loadu_ps(xg + k);
+                s = _mm512_add_ps(s, v);
+                a = _mm512_max_ps(a, _mm512_abs_ps(v));
+            }
+            const float amax = _mm512_reduce_max_ps(a);
+            xsum[m * ng + gi] = _mm512_reduce_add_ps(s);
+            xd[m * ng + gi] = amax / 127.0f;
+            const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            for (int64_t k = 0; k < g; k += 16) /* rounded to nearest even, as lrintf */
+                _mm_storeu_si128((__m128i *)(x8 + m * K + gi * g + k),
+                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), inv))));
+        }
+}
+
+/* Columns n0 .. n0 + PANEL_COLS - 1 of W into the panel: dword (p * 4 + c) * 16 + i holds the
+ * weights k = 4p .. 4p + 3 of column n0 + 16 c + i, one byte each; scales and biases as in
+ * panel_pack. */
+VNNI static void panel8_pack(const Job *j, const Unpack *u, int64_t n0, int32_t *panel, float *ps) {
+    const int64_t K = j->K, ng = K / j->group, row_bytes = K * j->bits / 8;
+    for (int c = 0; c < PANEL_COLS / 16; c++)
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = unpack64(u, j->w + (n0 + 16 * c + i) * row_bytes, k0);
+            transpose16(r); /* r[t] dword i: column 16 c + i, k = k0 + 4t .. k0 + 4t + 3 */
+            for (int t = 0; t < 16; t++) _mm512_store_si512(panel + ((k0 / 4 + t) * 4 + c) * 16, r[t]);
+        }
+    for (int64_t gi = 0; gi < ng; gi++)
+        for (int col = 0; col < PANEL_COLS; col++) {
+            ps[gi * PANEL_COLS + col] = j->scales[(n0 + col) * ng + gi];
+            ps[(ng + gi) * PANEL_COLS + col] = j->biases[(n0 + col) * ng + gi];
+        }
+}
+
+/* rows m0 .. m0 + MB - 1 against one 8-bit panel: out[m, n0 .. n0 + 63] */
+VNNI static inline __attribute__((always_inline)) void panel8_tile(
+        const Job *j, const int32_t *panel, const float *ps, int64_t n0, int64_t m0, const int MB) {
+    const int64_t K = j->K, g = j->group, ng = K / g, kpg = g / 4;
+    const int8_t *x8 = j->xq + m0 * K;
+    const float *xd = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng;
+    __m512 f[PANEL_MR][4];
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < 4; c++) f[m][c] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < ng; gi++) {
+        __m512i acc[PANEL_MR][4];
+        for (int m = 0; m < MB; m++)
+            for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_si512();
+        for (int64_t p = gi * kpg; p < (gi + 1) * kpg; p++) {
+            const int32_t *wp = panel + p * 64;
+            const __m512i w0 = _mm512_load_si512(wp), w1 = _mm512_load_si512(wp + 16),
+                          w2 = _mm512_load_si512(wp + 32), w3 = _mm512_load_si512(wp + 48);
+            for (int m = 0; m < MB; m++) {
+                int32_t quad;
+                memcpy(&quad, x8 + m * K + 4 * p, 4);
+                const __m512i b = _mm512_set1_epi32(quad);
+                acc[m][0] = dpbusd(acc[m][0], w0, b);
+                acc[m][1] = dpbusd(acc[m][1], w1, b);
+                acc[m][2] = dpbusd(acc[m][2], w2, b);
+                acc[m][3] = dpbusd(acc[m][3], w3, b);
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m512 s = _mm512_load_ps(ps + gi * PANEL_COLS + 16 * c);
+            for (int m = 0; m < MB; m++)
+                f[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][c]),
+                                          _mm512_mul_ps(s, _mm512_set1_ps(xd[m * ng + gi])), f[m][c]);
+        }
+    }
+    for (int64_t gi = 0; gi < ng; gi++)
+        for (int c = 0; c < 4; c++) {
+            const __m512 bv = _mm512_load_ps(ps + (ng + gi) * PANEL_COLS + 16 * c);
+            for (int m = 0; m < MB; m++)
+                f[m][c] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[m * ng + gi]), f[m][c]);
+        }
+    for (int m = 0; m < MB; m++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(j->out + (m0 + m) * j->N + n0 + 16 * c, f[m][c]);
+}
+
+VNNI static void rows_panel8(const Job *j, int64_t u0, int64_t u1) {
+    const int64_t K = j->K, ng = K / j->group;
+    int32_t *panel = tile_buffer(2, (size_t)(K / 4 * PANEL_COLS) * sizeof(int32_t));
+    float *ps = tile_buffer(3, (size_t)(2 * ng * PANEL_COLS) * sizeof(float));
+    if (!panel || !ps) abort(); /* a few hundred KB; a worker cannot report it */
+    Unpack u;
+    make_unpack(&u, j);
+    for (int64_t p = u0; p < u1; p++) {
+        const int64_t n0 = p * PANEL_COLS;
+        panel8_pack(j, &u, n0, panel, ps);
+        for (int64_t m0 = 0; m0 < j->M; m0 += PANEL_MR) {
+            const int mb = (int)(j->M - m0 < PANEL_MR ? j->M - m0 : PANEL_MR);
+            switch (mb) {
+            case 1: panel8_tile(j, panel, ps, n0, m0, 1); break;
+            case 2: panel8_tile(j, panel, ps, n0, m0, 2); break;
+            case 3: panel8_tile(j, panel, ps, n0, m0, 3); break;
+            case 4: panel8_tile(j, panel, ps, n0, m0, 4); break;
+            case 5: panel8_tile(j, panel, ps, n0, m0, 5); break;
+            default: panel8_tile(j, panel, ps, n0, m0, 6); break;
+            }
+        }
+    }
+}
+
 /* x [M, K] float32 into B tiles of its three bfloat16 parts: tile (part, block of 16 rows, 32-deep
  * slice kb) is 1 KB, its row r holding each input row's pair k = 2r, 2r + 1 (rows from M on are
  * zero). The parts: hi = x with its low 16 bits cleared, mid the same of x - hi, lo = x - hi - mid.
@@ -1239,7 +1360,7 @@ static void run_range(const Job *j, RowsFn fn, int64_t lo, int64_t hi) {
     const int64_t N = hi - lo;
     /* small products (a few thousand rows of work) are not worth waking anyone */
     int64_t work_units = N * j->K * (j->M < ROWS ? j->M : ROWS);
-    if (n_threads <= 1 || (work_units < (1 << 18) && !j->xparts && !j->x16)) { /* tile and panel jobs: N counts panels */
+    if (n_threads <= 1 || (work_units < (1 << 18) && !j->xparts && !j->x16 && !j->xq)) { /* tile and panel jobs: N counts panels */
         fn(j, lo, hi);
         return;
     }
@@ -1302,12 +1423,12 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOLLLii|i", &ox, &ow, &os, &ob, &oo, &M, &N, &K, &bits, &group,
                           &mode))
         return NULL;
-    if (mode < 0 || mode > 4)
-        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int16), 2 (BLAS), 3 (tiles) or 4 "
-                            "(int16 panels), not %d", mode);
-    if (mode == 4 && !have_vnni)
-        return PyErr_Format(PyExc_RuntimeError, "the panel mode needs AVX-512 VNNI, which this CPU does not offer");
-    if (mode == 4 && (bits == 16 || N % 64 || K % 64 || (group != 32 && group != 64 && group != 128)))
+    if (mode < 0 || mode > 5)
+        return PyErr_Format(PyExc_ValueError, "mode must be 0 (float), 1 (int16), 2 (BLAS), 3 (tiles), 4 "
+                            "(int16 panels) or 5 (int8 panels), not %d", mode);
+    if ((mode == 4 || mode == 5) && !have_vnni)
+        return PyErr_Format(PyExc_RuntimeError, "the panel modes need AVX-512 VNNI, which this CPU does not offer");
+    if ((mode == 4 || mode == 5) && (bits == 16 || N % 64 || K % 64 || (group != 32 && group != 64 && group != 128)))
         return PyErr_Format(PyExc_ValueError, "the panel mode needs affine weights, N a multiple of %d, K of 64 "
                             "and a group of 32, 64 or 128 (N=%lld K=%lld bits=%d group=%d)", 64, N, K,
                             bits, group);
@@ -1390,6 +1511,23 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum, x8,
              xscale, NULL, 0, NULL, M, N, K, bits, group};
 #ifdef MIXBIT_X86
+    if (mode == 5) {
+        /* as mode 4, with x as 8-bit integers */
+        const int64_t mc = M < PANEL_MCHUNK ? M : PANEL_MCHUNK, ng = K / group;
+        int8_t *xq = tile_buffer(0, (size_t)(mc * K));
+        float *xsd = tile_buffer(1, (size_t)(2 * mc * ng) * sizeof(float));
+        if (!xq || !xsd) { PyErr_NoMemory(); goto fail_o; }
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t m0 = 0; m0 < M; m0 += PANEL_MCHUNK) {
+            Job jc = rows_chunk(&j, m0, PANEL_MCHUNK);
+            jc.xq = xq;
+            jc.xsum = xsd;
+            jc.xscale = xsd + mc * ng;
+            run_range(&jc, panel8_prep_x, 0, jc.M);
+            run_range(&jc, rows_panel8, 0, N / PANEL_COLS);
+        }
+        Py_END_ALLOW_THREADS
+    } else
     if (mode == 4) {
         /* up to PANEL_MCHUNK rows at a time: x16, its units and sums in buffers kept per thread */
         const int64_t mc = M < PANEL_MCHUNK ? M : PANEL_MCHUNK, ng = K / group;
@@ -1627,7 +1765,7 @@ static PyMethodDef methods[] = {
      "float32 FMAs on the packed weights; 1: activations as 16-bit integers per group, exact integer "
      "products (VNNI, where the CPU has it; else as 0); 2: W dequantized in tiles and multiplied by "
      "cblas_sgemm; 3: AMX tiles; 4: the 16-bit activations of 1 against W unpacked into column panels "
-     "(VNNI; many rows)."},
+     "(VNNI; many rows); 5: as 4 with activations as 8-bit integers per group (VNNI; many rows)."},
     {"gated_delta_scan", py_gated_delta_scan, METH_VARARGS,
      "gated_delta_scan(q, k, v, g, beta, state, y, state_out, B, T, H, Dk, Dv): the gated delta rule "
      "over T tokens for B sequences of H heads (a decode step is T = 1), float32 buffers."},

@@ -1,14 +1,17 @@
-"""How far the decode kernels' 16-bit integer activations (generation.cpu_activations = "int16")
-move a trained model's outputs, against the exact float32 kernel and against quantization itself.
+"""How far the kernels' integer activations (generation.cpu_activations = "int16", "int8") move a
+trained model's outputs, against the exact float32 kernels and against quantization itself.
 
     .venv/bin/python tests/bench/activations_kld.py [--bits 4] [--rows 4] [--tokens 192]
 
 The embedded model is quantized (mlx_lm.convert, `--bits`, group 64) into a temporary folder and
 served packed with every projection and the tied head on the kernels (kernels.serve(...,
 small=0)), once per activation setting; calibration text (quant.calibration, the chat, code and
-tool-calling corpus) is decoded one token at a time, so every product is a decode row. Prints
-KLD(mean, max) and top-1 agreement of: the variant against the bf16 model with each setting, and
-int16 against float32 on the same variant.
+tool-calling corpus) is decoded one token at a time, so every product is a decode row, and then
+run as whole prompts, teacher-forced as fidelity checks and prompt logprobs run (prompt rows;
+int8 keeps 16-bit activations there, kernels._kernel_mode), and as a server runs a request:
+half of each row prefilled (int8: 8-bit activations), the rest decoded on the state the
+prompt left. Prints KLD(mean, max) and top-1 agreement of: the variant against the bf16 model
+with each setting, and each integer setting against float32 on the same variant.
 """
 
 from __future__ import annotations
@@ -74,15 +77,45 @@ def main(argv=None) -> int:
         top1 = (p.argmax(-1) == q.argmax(-1)).astype(mx.float32).mean()
         return f"{kld.mean().item():.3g} | {kld.max().item():.3g} | {100 * top1.item():.1f}%"
 
-    ref = decoded_logits(reference)
-    got = {a: decoded_logits(model_for(variant, a)[0]) for a in ("float32", "int16")}
-    print(f"\n{args.rows} x {args.tokens} tokens decoded one at a time, {args.bits}-bit variant (group 64)\n")
-    print("| | KLD mean | KLD max | top-1 agreement |\n|---|---|---|---|")
-    for a in ("float32", "int16"):
-        print(f"| variant vs the bf16 model, {a} kernels | {compare(ref, got[a])} |")
-    print(f"| int16 kernels vs float32 kernels, the same variant | {compare(got['float32'], got['int16'])} |")
-    diff = mx.abs(got["float32"] - got["int16"]).max().item()
-    print(f"\nlargest logit difference int16 - float32: {diff:.3g} (logits up to {mx.abs(got['float32']).max().item():.3g})")
+    def prompt_logits(model):  # every row as one prompt: all its positions' products are prompt rows
+        out = []
+        for r in range(rows.shape[0]):
+            out.append(model(rows[r:r + 1], cache=make_prompt_cache(model))[0])
+            mx.eval(out[-1])
+        return mx.concatenate(out)
+
+    def served_logits(model):  # as a server runs a request: the first half prefilled as a prompt
+        # (its logits unread), the rest decoded one token at a time on the state it left
+        half = rows.shape[1] // 2
+        out = []
+        for r in range(rows.shape[0]):
+            cache = make_prompt_cache(model)
+            with kernels.prompt_logits_unused():
+                model(rows[r:r + 1, :half], cache=cache)
+            mx.eval([c.state for c in cache])
+            for t in range(half, rows.shape[1]):
+                out.append(model(rows[r:r + 1, t:t + 1], cache=cache)[0, -1])
+                mx.eval(out[-1])
+        return mx.stack(out)
+
+    settings = ("float32", "int16", "int8")
+    models = {a: model_for(variant, a)[0] for a in settings}
+    for title, run in (("decoded one at a time (decode rows)", decoded_logits),
+                       ("each row as one prompt, teacher-forced as a fidelity check scores it (prompt rows, "
+                        "the head included)", prompt_logits),
+                       ("as served: the first half a prompt, the second half decoded on its state (logits of "
+                        "the decoded half)", served_logits)):
+        ref = run(reference)
+        got = {a: run(models[a]) for a in settings}
+        print(f"\n{args.rows} x {args.tokens} tokens {title}, {args.bits}-bit variant (group 64)\n")
+        print("| | KLD mean | KLD max | top-1 agreement |\n|---|---|---|---|")
+        for a in settings:
+            print(f"| variant vs the bf16 model, {a} activations | {compare(ref, got[a])} |")
+        for a in settings[1:]:
+            print(f"| {a} vs float32 activations, the same variant | {compare(got['float32'], got[a])} |")
+            diff = mx.abs(got["float32"] - got[a]).max().item()
+            print(f"| (largest logit difference {a} - float32: {diff:.3g}, logits up to "
+                  f"{mx.abs(got['float32']).max().item():.3g}) | | | |")
     return 0
 
 

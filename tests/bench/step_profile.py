@@ -1,6 +1,7 @@
 """Where one decode step and one prefill chunk spend their time, at a real Qwen3.5 shape.
 
     .venv/bin/python tests/bench/step_profile.py FOLDER [--mode auto|packed|dense] [--batch 1,8]
+        [--prefill 256] [--prefill-batch 1]
 
 FOLDER: a checkpoint or a cached variant (e.g. the 0.8B shape's mixbit-auto, see
 tests/bench/kernel_serve_bench.py). Loads it through mixbit's own loader (the CPU kernels or dense
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
                     help="generation.cpu_activations: the decode kernels' activations")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--prefill-batch", type=int, default=1,
+                    help="prompts sharing the prefill chunk, --prefill tokens in all (the engine cuts a "
+                         "512-token round over 8 prompts into 8 x 64)")
     args = ap.parse_args(argv)
 
     from mixbit.models.blas import ensure_fast_blas
@@ -83,7 +87,10 @@ def main(argv=None) -> int:
 
         rows.append((f"decode step, batch {b}", _timed(step, 8)))
     cache = fresh(1)
-    chunk = mx.arange(args.prefill, dtype=mx.int32)[None] % 1000 + 5
+    per = args.prefill // args.prefill_batch
+    chunk = (mx.arange(per * args.prefill_batch, dtype=mx.int32) % 1000 + 5).reshape(args.prefill_batch, per)
+    chunk_name = (f"prefill chunk of {args.prefill} tokens" if args.prefill_batch == 1
+                  else f"prefill chunk of {args.prefill_batch} x {per} tokens")
 
     def prefill():  # as the engine prefills: for the cache; the prompt's logits stay unevaluated
         c = make_prompt_cache(model)
@@ -91,7 +98,7 @@ def main(argv=None) -> int:
             model(chunk, cache=c)
         mx.eval([s.state for s in c])
 
-    rows.append((f"prefill chunk of {args.prefill} tokens", _timed(prefill, 2)))
+    rows.append((chunk_name, _timed(prefill, 2)))
     print("\n| step | ms |\n|---|---|")
     for name, s in rows:
         print(f"| {name} | {s * 1e3:.1f} |")
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
         cache = fresh(b)
         tok = mx.zeros((b, 1), dtype=mx.int32) + 11
         attribute(f"decode step, batch {b}", lambda: mx.eval(model(tok, cache=cache)), 4)
-    attribute(f"prefill chunk of {args.prefill} tokens", prefill, 1)
+    attribute(chunk_name, prefill, 1)
 
     # sampling over the full vocabulary
     from mlx_lm.sample_utils import make_sampler
