@@ -59,8 +59,9 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
     "auto" decides per layer shape by timing both here (`kernels.serve`), and without the
     kernels is dense when that takes at most a quarter of physical memory, else "mlx". Every
     way the served function is the quantized one. `cpu_activations` (kernels.ACTIVATIONS): whether
-    the packed kernels' decode rows may take their activations as 16-bit integers per group
-    where that measured faster ("auto"), always ("int16") or never ("float32")."""
+    the packed kernels take their activations as 16-bit integers per group (and the engine's
+    prefill as 8-bit ones) where that measured faster ("auto"), always ("int16"; "int8" with the
+    8-bit prefill) or never ("float32")."""
     import mlx.core as mx
     from mlx_lm.utils import load as mlx_load
 

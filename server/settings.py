@@ -127,7 +127,9 @@ class GenerationSettings(_Section):
         "auto", description="how activations enter the packed CPU kernels: float32 (exact), int16 "
         "(16-bit integers per group of the weight, within 1/65024 of the group's largest value, "
         "where the CPU has AVX-512 VNNI: decode rows, and prompts and decode batches against "
-        "column panels), auto: per layer shape, whichever measured faster at load")
+        "column panels), int8 (as int16, and the engine's prefill on 8-bit integers per group, "
+        "within 1/254 of the group's largest value: only the state a prompt leaves moves), auto: "
+        "per layer shape, whichever measured faster at load")
     max_tokens: int = Field(512, ge=1, description="default when a request names none")
     temperature: float = Field(0.7, ge=0.0, le=2.0)
     top_p: float = Field(0.8, gt=0.0, le=1.0)
