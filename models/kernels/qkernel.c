@@ -588,11 +588,15 @@ VNNI static void panel_pack(const Job *j, const Unpack *u, int64_t n0, int32_t *
         }
 }
 
-/* rows m0 .. m0 + MB - 1 against one panel: out[m, n0 .. n0 + 63] */
+/* rows m0 .. m0 + MB - 1 against one panel: out[m, n0 .. n0 + 63]. `eight` (a constant in each
+ * caller): PANEL8's panel and x8 (four k a dword, vpdpbusd), else PANEL's and x16 (two k a dword,
+ * vpdpwssd); a dword of x is 4 bytes at k = dword * (4 / bytes a value) either way. */
 VNNI static inline __attribute__((always_inline)) void panel_tile(
-        const Job *j, const int32_t *panel, const float *ps, int64_t n0, int64_t m0, const int MB) {
-    const int64_t K = j->K, g = j->group, ng = K / g, kpg = g / 2;
-    const int16_t *x16 = j->x16 + m0 * K;
+        const Job *j, const int32_t *panel, const float *ps, int64_t n0, int64_t m0, const int MB,
+        const int eight) {
+    const int64_t K = j->K, g = j->group, ng = K / g, kpg = g / (eight ? 4 : 2);
+    const int64_t xb = eight ? 1 : 2; /* bytes a value of x */
+    const uint8_t *xq = (eight ? (const uint8_t *)j->xq : (const uint8_t *)j->x16) + m0 * K * xb;
     const float *xd = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng;
     __m512 f[PANEL_MR][4];
     for (int m = 0; m < MB; m++)
@@ -606,13 +610,20 @@ VNNI static inline __attribute__((always_inline)) void panel_tile(
             const __m512i w0 = _mm512_load_si512(wp), w1 = _mm512_load_si512(wp + 16),
                           w2 = _mm512_load_si512(wp + 32), w3 = _mm512_load_si512(wp + 48);
             for (int m = 0; m < MB; m++) {
-                int32_t pair;
-                memcpy(&pair, x16 + m * K + 2 * p, 4);
-                const __m512i b = _mm512_set1_epi32(pair);
-                acc[m][0] = dpwssd(acc[m][0], w0, b);
-                acc[m][1] = dpwssd(acc[m][1], w1, b);
-                acc[m][2] = dpwssd(acc[m][2], w2, b);
-                acc[m][3] = dpwssd(acc[m][3], w3, b);
+                int32_t dword;
+                memcpy(&dword, xq + m * K * xb + 4 * p, 4);
+                const __m512i b = _mm512_set1_epi32(dword);
+                if (eight) {
+                    acc[m][0] = dpbusd(acc[m][0], w0, b);
+                    acc[m][1] = dpbusd(acc[m][1], w1, b);
+                    acc[m][2] = dpbusd(acc[m][2], w2, b);
+                    acc[m][3] = dpbusd(acc[m][3], w3, b);
+                } else {
+                    acc[m][0] = dpwssd(acc[m][0], w0, b);
+                    acc[m][1] = dpwssd(acc[m][1], w1, b);
+                    acc[m][2] = dpwssd(acc[m][2], w2, b);
+                    acc[m][3] = dpwssd(acc[m][3], w3, b);
+                }
             }
         }
         for (int c = 0; c < 4; c++) {
@@ -630,31 +641,6 @@ VNNI static inline __attribute__((always_inline)) void panel_tile(
         }
     for (int m = 0; m < MB; m++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(j->out + (m0 + m) * j->N + n0 + 16 * c, f[m][c]);
-}
-
-/* units are panels of PANEL_COLS output columns: each unpacked once, every row run against it */
-VNNI static void rows_panel(const Job *j, int64_t u0, int64_t u1) {
-    const int64_t K = j->K, ng = K / j->group;
-    int32_t *panel = tile_buffer(2, (size_t)(K / 2 * PANEL_COLS) * sizeof(int32_t));
-    float *ps = tile_buffer(3, (size_t)(2 * ng * PANEL_COLS) * sizeof(float));
-    if (!panel || !ps) abort(); /* a few hundred KB; a worker cannot report it */
-    Unpack u;
-    make_unpack(&u, j);
-    for (int64_t p = u0; p < u1; p++) {
-        const int64_t n0 = p * PANEL_COLS;
-        panel_pack(j, &u, n0, panel, ps);
-        for (int64_t m0 = 0; m0 < j->M; m0 += PANEL_MR) {
-            const int mb = (int)(j->M - m0 < PANEL_MR ? j->M - m0 : PANEL_MR);
-            switch (mb) {
-            case 1: panel_tile(j, panel, ps, n0, m0, 1); break;
-            case 2: panel_tile(j, panel, ps, n0, m0, 2); break;
-            case 3: panel_tile(j, panel, ps, n0, m0, 3); break;
-            case 4: panel_tile(j, panel, ps, n0, m0, 4); break;
-            case 5: panel_tile(j, panel, ps, n0, m0, 5); break;
-            default: panel_tile(j, panel, ps, n0, m0, 6); break;
-            }
-        }
-    }
 }
 
 /* ---------------------------------------------------------------- 8-bit activations, weights in column panels (VNNI) */
@@ -709,73 +695,40 @@ VNNI static void panel8_pack(const Job *j, const Unpack *u, int64_t n0, int32_t 
         }
 }
 
-/* rows m0 .. m0 + MB - 1 against one 8-bit panel: out[m, n0 .. n0 + 63] */
-VNNI static inline __attribute__((always_inline)) void panel8_tile(
-        const Job *j, const int32_t *panel, const float *ps, int64_t n0, int64_t m0, const int MB) {
-    const int64_t K = j->K, g = j->group, ng = K / g, kpg = g / 4;
-    const int8_t *x8 = j->xq + m0 * K;
-    const float *xd = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng;
-    __m512 f[PANEL_MR][4];
-    for (int m = 0; m < MB; m++)
-        for (int c = 0; c < 4; c++) f[m][c] = _mm512_setzero_ps();
-    for (int64_t gi = 0; gi < ng; gi++) {
-        __m512i acc[PANEL_MR][4];
-        for (int m = 0; m < MB; m++)
-            for (int c = 0; c < 4; c++) acc[m][c] = _mm512_setzero_si512();
-        for (int64_t p = gi * kpg; p < (gi + 1) * kpg; p++) {
-            const int32_t *wp = panel + p * 64;
-            const __m512i w0 = _mm512_load_si512(wp), w1 = _mm512_load_si512(wp + 16),
-                          w2 = _mm512_load_si512(wp + 32), w3 = _mm512_load_si512(wp + 48);
-            for (int m = 0; m < MB; m++) {
-                int32_t quad;
-                memcpy(&quad, x8 + m * K + 4 * p, 4);
-                const __m512i b = _mm512_set1_epi32(quad);
-                acc[m][0] = dpbusd(acc[m][0], w0, b);
-                acc[m][1] = dpbusd(acc[m][1], w1, b);
-                acc[m][2] = dpbusd(acc[m][2], w2, b);
-                acc[m][3] = dpbusd(acc[m][3], w3, b);
-            }
-        }
-        for (int c = 0; c < 4; c++) {
-            const __m512 s = _mm512_load_ps(ps + gi * PANEL_COLS + 16 * c);
-            for (int m = 0; m < MB; m++)
-                f[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][c]),
-                                          _mm512_mul_ps(s, _mm512_set1_ps(xd[m * ng + gi])), f[m][c]);
-        }
-    }
-    for (int64_t gi = 0; gi < ng; gi++)
-        for (int c = 0; c < 4; c++) {
-            const __m512 bv = _mm512_load_ps(ps + (ng + gi) * PANEL_COLS + 16 * c);
-            for (int m = 0; m < MB; m++)
-                f[m][c] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[m * ng + gi]), f[m][c]);
-        }
-    for (int m = 0; m < MB; m++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(j->out + (m0 + m) * j->N + n0 + 16 * c, f[m][c]);
-}
-
-VNNI static void rows_panel8(const Job *j, int64_t u0, int64_t u1) {
+/* units are panels of PANEL_COLS output columns: each unpacked once (PANEL8's or PANEL's, by the
+ * constant `eight`), every row run against it */
+VNNI static inline __attribute__((always_inline)) void panel_rows(const Job *j, int64_t u0, int64_t u1,
+                                                                  const int eight) {
     const int64_t K = j->K, ng = K / j->group;
-    int32_t *panel = tile_buffer(2, (size_t)(K / 4 * PANEL_COLS) * sizeof(int32_t));
+    int32_t *panel = tile_buffer(2, (size_t)(K / (eight ? 4 : 2) * PANEL_COLS) * sizeof(int32_t));
     float *ps = tile_buffer(3, (size_t)(2 * ng * PANEL_COLS) * sizeof(float));
     if (!panel || !ps) abort(); /* a few hundred KB; a worker cannot report it */
     Unpack u;
     make_unpack(&u, j);
     for (int64_t p = u0; p < u1; p++) {
         const int64_t n0 = p * PANEL_COLS;
-        panel8_pack(j, &u, n0, panel, ps);
+        if (eight)
+            panel8_pack(j, &u, n0, panel, ps);
+        else
+            panel_pack(j, &u, n0, panel, ps);
         for (int64_t m0 = 0; m0 < j->M; m0 += PANEL_MR) {
             const int mb = (int)(j->M - m0 < PANEL_MR ? j->M - m0 : PANEL_MR);
             switch (mb) {
-            case 1: panel8_tile(j, panel, ps, n0, m0, 1); break;
-            case 2: panel8_tile(j, panel, ps, n0, m0, 2); break;
-            case 3: panel8_tile(j, panel, ps, n0, m0, 3); break;
-            case 4: panel8_tile(j, panel, ps, n0, m0, 4); break;
-            case 5: panel8_tile(j, panel, ps, n0, m0, 5); break;
-            default: panel8_tile(j, panel, ps, n0, m0, 6); break;
+            case 1: panel_tile(j, panel, ps, n0, m0, 1, eight); break;
+            case 2: panel_tile(j, panel, ps, n0, m0, 2, eight); break;
+            case 3: panel_tile(j, panel, ps, n0, m0, 3, eight); break;
+            case 4: panel_tile(j, panel, ps, n0, m0, 4, eight); break;
+            case 5: panel_tile(j, panel, ps, n0, m0, 5, eight); break;
+            default: panel_tile(j, panel, ps, n0, m0, 6, eight); break;
             }
         }
     }
 }
+
+VNNI static void rows_panel(const Job *j, int64_t u0, int64_t u1) { panel_rows(j, u0, u1, 0); }
+
+VNNI static void rows_panel8(const Job *j, int64_t u0, int64_t u1) { panel_rows(j, u0, u1, 1); }
+
 
 /* x [M, K] float32 into B tiles of its three bfloat16 parts: tile (part, block of 16 rows, 32-deep
  * slice kb) is 1 KB, its row r holding each input row's pair k = 2r, 2r + 1 (rows from M on are
