@@ -216,6 +216,10 @@ def step_buffer_bytes(model, batch: int) -> int:
     return 4 * batch * biggest
 
 
+# the logprob reported for a token a grammar, a logit bias or top-k/top-p ruled out (-inf):
+# OpenAI's own value for it, since JSON has no infinities
+MIN_LOGPROB = -9999.0
+
 PREFILL_MIN_STEP = 16  # prompt tokens per prompt and prefill round, however many prompts share it
 
 
@@ -560,13 +564,13 @@ class Engine:
             logprob = top = None
             if seq.params.logprobs:
                 lp = r.logprobs
-                logprob = lp[r.token].item()
+                logprob = max(lp[r.token].item(), MIN_LOGPROB)
                 if seq.params.top_logprobs:
                     k = seq.params.top_logprobs
                     idx = mx.argpartition(-lp, k - 1)[:k]
                     vals = lp[idx]
                     order = mx.argsort(-vals)
-                    top = list(zip(idx[order].tolist(), vals[order].tolist()))
+                    top = [(t, max(v, MIN_LOGPROB)) for t, v in zip(idx[order].tolist(), vals[order].tolist())]
             if text or logprob is not None:
                 seq.emit(TokenEvent(text=text, token=r.token, logprob=logprob, top_logprobs=top))
             if r.finish_reason is not None:
