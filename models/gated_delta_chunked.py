@@ -2,10 +2,9 @@
 
 mlx-lm runs GatedDeltaNet with a Metal kernel on Apple GPUs and, everywhere else, one Python loop
 iteration per token (`gated_delta_ops`). For a prompt that loop dominates time to first token.
-`install()` routes Qwen3.5's calls to mixbit's CPU kernel (`kernels.gated_delta`: token after
-token in C, each head's state in cache; prompts and decode steps) where it is built, and prompts
-to the chunk-parallel form below where it is not. It also makes a prompt's layer evaluate what it
-leaves in the cache (`_state_evaluated`).
+mixbit's forward (models/forward/qwen3_5.py) runs the recurrence on its CPU kernel
+(`kernels.gated_delta`) where it is built, and prompts in the chunk-parallel form below where it
+is not.
 
 The chunk-parallel form, in MLX matrix ops: a prompt is cut into chunks of C tokens; inside a
 chunk the recurrence is solved in closed form with one triangular inverse and a few matmuls, and
@@ -23,8 +22,6 @@ loop does. Decays are handled in log space relative to the chunk, so no ratio ov
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import mlx.core as mx
 
@@ -95,104 +92,3 @@ def chunked_gated_delta(q, k, v, g, beta, state, mask=None, chunk: int = CHUNK):
         s = g_last[:, :, c, None, None] * s + u.swapaxes(-1, -2) @ k_tail[:, :, c]
     y = mx.concatenate(ys, axis=2)[:, :, :T]  # [B, H, T, Dv]
     return y.transpose(0, 2, 1, 3).astype(out_dtype), s
-
-
-def _on_metal() -> bool:
-    """mlx-lm has its own Metal kernel for the recurrence: nothing here applies."""
-    return mx.default_device() == mx.gpu and mx.metal.is_available()
-
-
-def _kernel():
-    """mixbit's CPU kernel, where it is built and the model runs on the CPU (it reads host
-    buffers)."""
-    from . import kernels
-
-    return kernels.gated_delta if kernels.available() and mx.default_device() == mx.cpu else None
-
-
-def _patched_update(original):
-    from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
-
-    def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
-                           use_kernel=True, lower_bound=None, allow_neg_eigval=False):
-        if _on_metal() or a.ndim != 3:
-            return original(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
-                            lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
-        beta = mx.sigmoid(b)
-        if allow_neg_eigval:
-            beta = beta * 2.0
-        g = (compute_g(A_log, a, dt_bias) if lower_bound is None
-             else compute_lower_bound_g(A_log, a, dt_bias, lower_bound))
-        if g.ndim != 3:  # per-channel gates: not these algorithms
-            return original(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
-                            lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
-        if state is None:
-            state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
-        if use_kernel and _kernel() is not None:
-            # mixbit's CPU kernel (models/kernels): token after token, each head's state in cache
-            y, state = _kernel()(q, k, v, g, beta, state, mask)
-            return y.astype(q.dtype), state
-        if q.shape[1] < MIN_TOKENS:
-            return original(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
-                            lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
-        return chunked_gated_delta(q, k, v, g, beta, state, mask)
-
-    gated_delta_update.__wrapped__ = original
-    return gated_delta_update
-
-
-PATCHED_MODULES = ("mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next")
-
-
-def install() -> None:
-    """Routes GatedDeltaNet calls of Qwen3.5 / Qwen3-Next to mixbit's CPU kernel, or prompts to
-    the chunked form, wherever mlx-lm has no Metal kernel (CPU, CUDA). Idempotent."""
-    import importlib
-
-    for name in PATCHED_MODULES:
-        module = importlib.import_module(name)
-        current = module.gated_delta_update
-        if getattr(current, "__wrapped__", None) is None:
-            module.gated_delta_update = _patched_update(current)
-        for attr in dir(module):
-            cls = getattr(module, attr)
-            if isinstance(cls, type) and attr.endswith("GatedDeltaNet") \
-                    and getattr(cls.__call__, "__wrapped__", None) is None:
-                cls.__call__ = _state_evaluated(cls.__call__)
-
-
-def _state_evaluated(original):
-    """A prompt's GatedDeltaNet layer evaluates what it leaves in the cache before the next
-    layer runs. Nothing reads the cache until the whole forward pass is done, so lazily it kept
-    every layer's conv input (the conv state is a copy of its last rows) and chunk intermediates
-    (the new state) alive at once: an 8x300-token prefill at the 0.8B shape held ~65 MB more per
-    layer, 2.17 GB above the weights at its peak. One synchronisation per layer and prompt."""
-    def __call__(self, inputs, mask=None, cache=None):
-        out = original(self, inputs, mask, cache)
-        if cache is not None and inputs.shape[1] >= MIN_TOKENS \
-                and not _on_metal():
-            mx.eval([c for c in getattr(cache, "cache", ()) if c is not None])
-        return out
-
-    __call__.__wrapped__ = original
-    return __call__
-
-
-@contextlib.contextmanager
-def unpatched():
-    """mlx-lm's own recurrence for the duration (e.g. for gradients: the chunked form's
-    triangular inverse has no vector-Jacobian product in MLX)."""
-    import importlib
-
-    saved = {}
-    for name in PATCHED_MODULES:
-        module = importlib.import_module(name)
-        current = module.gated_delta_update
-        if getattr(current, "__wrapped__", None) is not None:
-            saved[module] = current
-            module.gated_delta_update = current.__wrapped__
-    try:
-        yield
-    finally:
-        for module, fn in saved.items():
-            module.gated_delta_update = fn

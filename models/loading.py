@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .registry import ResolvedModel
@@ -30,11 +31,13 @@ def compute_dtype(name: str = "auto"):
 
 @dataclass
 class LoadedModel:
-    model: Any  # mlx_lm model (nn.Module)
+    model: Any  # mixbit's Qwen3.5 (models/forward), or mlx-lm's model of another type
     tokenizer: Any  # mlx_lm TokenizerWrapper
     resolved: ResolvedModel
     config: dict
-    cpu_plan: dict | None = None  # how each projection runs on the CPU (models/kernels.serve)
+    cpu_plan: dict | None = None  # the plan's summary, for the log and /v1/models
+    plan: Any = None  # the CPU plan the model was built from (models/forward/plan.CpuPlan)
+    hf_tokenizer: Any = None  # the transformers tokenizer inside `tokenizer`
 
     @property
     def chat_template(self) -> str | None:
@@ -45,98 +48,128 @@ CPU_QUANTIZED = ("auto", "dense", "packed", "mlx")
 
 
 def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
-         dequantize: bool = False, cpu_quantized: str = "auto", cpu_activations: str = "auto") -> LoadedModel:
-    """Loads `resolved` (or `path`, a variant of it such as a quantized copy) with mlx-lm.
-    With a distributed `group` of size > 1, mlx-lm's tensor-parallel sharding splits the
-    model across the group's ranks (each holds its slice). `dequantize`: quantized layers
-    become dense ones with the dequantized weights (the same function up to rounding).
+         dequantize: bool = False, cpu_quantized: str = "auto", cpu_activations: str = "auto",
+         plan_dir=None) -> LoadedModel:
+    """Loads `resolved` (or `path`, a variant of it such as a quantized copy) through mlx-lm's
+    loader into mixbit's own Qwen3.5 forward (models/forward), then builds its projections from
+    one CPU plan. With a distributed `group` of size > 1, the model is sharded tensor-parallel
+    across the group's ranks (each holds its slice). `dequantize`: quantized layers become dense
+    ones with the dequantized weights (the same function up to rounding).
 
     `cpu_quantized` says how quantized (and bfloat16) projections run on CPU: "packed" on
-    mixbit's kernels over the packed weights (models/kernels: the variant served from its own
-    bytes); "dense" dequantized to float32 once at load; "mlx" through MLX's quantized_matmul
-    with prompts through a transient dequantized copy (`cpu_quantized_prefill`; its cost grows
-    with every row: a 512-token prefill of the embedded mixbit-auto took 2.1 s, 0.16 s dense);
-    "auto" decides per layer shape by timing both here (`kernels.serve`), and without the
-    kernels is dense when that takes at most a quarter of physical memory, else "mlx". Every
-    way the served function is the quantized one. `cpu_activations` (kernels.ACTIVATIONS): whether
+    mixbit's kernels over the packed weights, with modes from `cpu_activations` alone
+    (`plan.rule_plan`); "auto" as the plan measured on this machine for this variant says
+    (`plan.cached_plan`: measured at the first start, kept under `plan_dir`, read back after, so
+    two starts compute the same logits), and without the kernels dense when that takes at most a
+    quarter of physical memory, else "mlx"; "dense" dequantized to float32 once at load; "mlx"
+    through MLX's quantized_matmul with prompts through a transient dequantized copy. Every way
+    the served function is the quantized one. `cpu_activations` (kernels.ACTIVATIONS): whether
     the packed kernels take their activations as 16-bit integers per group (and the engine's
     prefill as 8-bit ones) where that measured faster ("auto"), always ("int16"; "int8" with the
     8-bit prefill) or never ("float32")."""
     import mlx.core as mx
-    from mlx_lm.utils import load as mlx_load
+    from mlx_lm.utils import load_config, load_model
 
-    from . import gated_delta_chunked
+    from .forward.qwen3_5 import MODEL_TYPES, build, model_classes
     from .registry import read_config
 
     if cpu_quantized not in CPU_QUANTIZED:
         raise ValueError(f"cpu_quantized {cpu_quantized!r}: allowed {', '.join(CPU_QUANTIZED)}")
-    gated_delta_chunked.install()  # chunk-parallel GatedDeltaNet prefill where no Metal kernel runs
-    folder = path or resolved.path
+    folder = Path(path or resolved.path)
+    config = load_config(folder)
+    ours = config.get("model_type") in MODEL_TYPES
+    classes = {"get_model_classes": model_classes} if ours else {}
     sharded = group is not None and group.size() > 1
     if sharded:
-        from mlx_lm.utils import sharded_load
-
-        model, tokenizer = sharded_load(str(folder), tensor_group=group)
+        model, config = load_model(folder, lazy=True, strict=False, **classes)
+        model.shard(group)
+        mx.eval(model.parameters())
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # ranks in step
     else:
-        model, tokenizer = mlx_load(str(folder))
-    release_tokenizer_scratch(tokenizer._tokenizer)
+        model, config = load_model(folder, **classes)
+    tokenizer, hf_tokenizer = load_tokenizer(folder, config.get("eos_token_id", None))
     target = compute_dtype(dtype)
-    plan = None
+    plan = summary = None
     cpu = mx.default_device() == mx.cpu and not sharded and not dequantize
-    use_kernels = cpu and cpu_quantized in ("auto", "packed") and kernels_available()
+    use_kernels = ours and cpu and cpu_quantized in ("auto", "packed") and kernels_available()
     if cpu and cpu_quantized == "packed" and not use_kernels:
         log.warning("CPU: no packed kernels (%s); quantized layers run on MLX's kernels",
                     _kernels_error())
     keep = _bf16_projections(model) if use_kernels else {}
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed
-        # weights stay as they are. bfloat16 projections the kernels read are put back below.
+        # weights stay as they are. bfloat16 projections the kernels read are put back.
         model.set_dtype(target, lambda d: mx.issubdtype(d, mx.floating))
-    if dequantize:
-        _dequantize(model)
+        modules = dict(model.named_modules())
+        for p, w in keep.items():
+            modules[p].weight = w
+    if not ours:
+        if dequantize or (cpu and cpu_quantized in ("auto", "dense")
+                          and _dense_bytes(model) <= _physical_memory() // 4):
+            _dequantize(model)
+    elif dequantize:
+        build(model, None, dtype=target)
     elif use_kernels:
         from . import kernels
+        from .forward import plan as cpu_plans
 
-        plan = summary = kernels.serve(model, cpu_quantized, dense_budget=_physical_memory() // 4,
-                                       restore=keep, activations=cpu_activations)
-        log.info("CPU kernels (%s, %d threads): %d projections served packed, %d dense float32 "
-                 "(%.1f MB) where that measured faster for one decode row",
-                 kernels.info().get("isa"), kernels.threads(), summary["packed"], summary["dense"],
-                 summary["dense_bytes"] / 1e6)
+        if cpu_quantized == "packed":
+            plan = cpu_plans.rule_plan(model, cpu_activations)
+        else:
+            plan = cpu_plans.cached_plan(model, folder, plan_dir, cpu_quantized, cpu_activations,
+                                         dense_budget=_physical_memory() // 4)
+        counts = build(model, plan, dtype=target)
+        summary = plan.summary(counts)
+        log.info("CPU kernels (%s, %d threads, plan %s): %d projections served packed, %d dense "
+                 "float32 (%.1f MB) where that measured faster for one decode row",
+                 kernels.info().get("isa"), kernels.threads(), plan.source, counts["packed"],
+                 counts["dense"], plan.dense_bytes / 1e6)
         for row in summary["shapes"]:
             log.debug("CPU kernels: %s", row)
     elif cpu:
         dense_bytes = _dense_bytes(model)
-        if dense_bytes and (cpu_quantized == "dense" or
-                            (cpu_quantized == "auto" and dense_bytes <= _physical_memory() // 4)):
-            _dequantize(model)
+        keep_packed = dense_bytes and (cpu_quantized == "mlx" or (
+            cpu_quantized == "auto" and dense_bytes > _physical_memory() // 4))
+        build(model, None, mlx_quantized_prompts=bool(keep_packed), dtype=target)
+        if keep_packed:
+            log.info("CPU: quantized layers kept packed; prompts multiply through a transient "
+                     "dequantized weight (no packed CPU kernels: %s)", _kernels_error())
+        elif dense_bytes:
             log.info("CPU: quantized layers dequantized once at load (about %.1f MB dense; "
                      "MLX's CPU quantized kernels are slow past one row)", dense_bytes / 1e6)
-        elif dense_bytes:
-            n = cpu_quantized_prefill(model)
-            log.info("CPU: %d quantized layers kept packed; prompts multiply through a transient "
-                     "dequantized weight (no packed CPU kernels: %s)", n, _kernels_error())
+    else:
+        build(model, None, mlx_quantized_prompts=True)
     mx.eval(model.parameters())
-    return LoadedModel(model=model, tokenizer=tokenizer, resolved=resolved,
-                       config=read_config(folder), cpu_plan=plan)
+    mx.clear_cache()
+    return LoadedModel(model=model, tokenizer=tokenizer, resolved=resolved, config=read_config(folder),
+                       cpu_plan=summary, plan=plan, hf_tokenizer=hf_tokenizer)
 
 
-# transformers 5 tokenizer classes that build their Rust tokenizer from a vocabulary dict and a
-# merges list kept as `_vocab` and `_merges`, and never read either after __init__ (checked in
-# their source; some other classes do read theirs, e.g. Whisper's save_vocabulary).
-_SCRATCH_AFTER_INIT = ("Qwen2Tokenizer", "Qwen3_5Tokenizer")
+def load_tokenizer(folder, eos_token_ids=None):
+    """The checkpoint's tokenizer exactly as its tokenizer.json says (transformers'
+    `PreTrainedTokenizerFast` over the Rust tokenizer), in mlx-lm's `TokenizerWrapper` with the
+    streaming detokenizer its decoder needs. Returns (wrapper, transformers tokenizer).
 
+    Not through AutoTokenizer: for a `qwen3_5` checkpoint it builds `Qwen3_5Tokenizer`, which
+    hard-codes Qwen3.5's pre-tokenizer rule over the file's and keeps the Python vocabulary and
+    merges it was built from (~130 MB at Qwen3.5's 248k tokens, never read again); the file's
+    own tokenizer tokenizes identically on Qwen3.5's checkpoints (tests/test_tokenizer.py)."""
+    import json
 
-def release_tokenizer_scratch(hf_tokenizer) -> None:
-    """Drops the Python copies of the vocabulary and merges a Qwen tokenizer was built from: the
-    Rust tokenizer holds its own, and at Qwen3.5's 248k-token vocabulary these copies were
-    ~130 MB of Python objects (a third of a 0.8B 4-bit variant's bytes) kept for the life of the
-    server. Deleted rather than emptied, so a transformers that starts reading them fails loudly
-    in the tests instead of tokenizing from an empty vocabulary."""
-    if type(hf_tokenizer).__name__ in _SCRATCH_AFTER_INIT:
-        for name in ("_vocab", "_merges"):
-            if isinstance(getattr(hf_tokenizer, name, None), (dict, list)):
-                delattr(hf_tokenizer, name)
+    from mlx_lm.tokenizer_utils import (BPEStreamingDetokenizer, NaiveStreamingDetokenizer,
+                                        TokenizerWrapper)
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    decoder = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("decoder") or {}
+    byte_level = decoder.get("type") == "ByteLevel" or any(
+        d.get("type") == "ByteLevel" for d in decoder.get("decoders", []) if isinstance(d, dict))
+    if isinstance(eos_token_ids, int):
+        eos_token_ids = [eos_token_ids]
+    wrapper = TokenizerWrapper(hf, BPEStreamingDetokenizer if byte_level else NaiveStreamingDetokenizer,
+                               eos_token_ids=eos_token_ids)
+    return wrapper, hf
 
 
 def kernels_available() -> bool:
@@ -178,52 +211,6 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 8 << 30
-
-
-# Rows (tokens in the call) from which a packed quantized layer on CPU dequantizes its weight for
-# the call and multiplies through BLAS instead of MLX's CPU quantized_matmul, whose cost grows
-# with every row. `tests/bench/qmm_bench.py` (4-bit group 64, float32): one layer alone crosses
-# over at 2-8 rows, but in whole decode steps of the embedded model the per-call dequantization
-# (fresh float32 weights every step) made batch 4 and 8 slower than the kernels (36 vs 20 and
-# 37 ms) and won from 16 rows (38 vs 68 ms); a 512-token prefill takes 0.18 s instead of 2.1 s.
-DENSE_ROWS = 16
-
-
-def cpu_quantized_prefill(model) -> int:
-    """On CPU, quantized layers keep their packed weights (the memory saving) but multiply
-    prompts, and decode batches past the crossover, through a transient dequantized copy: the
-    same function (dequantize is what the kernel computes), at BLAS speed. Returns how many
-    layers were switched. Metal's kernels need none of this."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    def dense_matmul(layer, x):  # what quantized_matmul computes, through BLAS
-        w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"),
-                          group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
-        return mx.matmul(x, w.T)
-
-    class _Linear(nn.QuantizedLinear):
-        def __call__(self, x):
-            if x.size // x.shape[-1] >= self._dense_rows:
-                x = dense_matmul(self, x)
-                return x + self["bias"] if "bias" in self else x
-            return super().__call__(x)
-
-    class _Embedding(nn.QuantizedEmbedding):
-        def as_linear(self, x):  # a tied output head
-            if x.size // x.shape[-1] >= self._dense_rows:
-                return dense_matmul(self, x)
-            return super().as_linear(x)
-
-    switched = 0
-    for _, module in model.named_modules():
-        kind = {nn.QuantizedLinear: _Linear, nn.QuantizedEmbedding: _Embedding}.get(type(module))
-        if kind is None:  # sharded or other quantized layers keep their own kernels
-            continue
-        module.__class__ = kind
-        module._dense_rows = DENSE_ROWS
-        switched += 1
-    return switched
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,

@@ -128,9 +128,9 @@ def for_quantization(resolved, calibration: str | None, cache_root: Path,
     """The calibration set a recipe uses: built-in (+ a user JSONL), or self-generated (made
     once per checkpoint and kept in the cache, so allocation and AWQ see the same rows)."""
     if calibration != SELF:
-        from mlx_lm.utils import load_tokenizer
+        from mixbit.models.loading import load_tokenizer
 
-        return build(load_tokenizer(resolved.path), n_rows=n_rows, length=length, extra=calibration)
+        return build(load_tokenizer(resolved.path)[0], n_rows=n_rows, length=length, extra=calibration)
     from mixbit.models.loading import load
 
     from .variants import weights_digest

@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mixbit.models.training import corpus
+from mixbit.models.forward import score
 from mixbit.models.loading import LoadedModel, load
 from mixbit.models.registry import ResolvedModel, resolve
 
@@ -99,12 +100,12 @@ def build_variant(spec: str, resolved: ResolvedModel, cache_dir: str, work: Path
 def _run_dynamic_quant(resolved: ResolvedModel, out: Path, bpw: float, work: Path) -> None:
     """mlx-lm's dynamic_quant downloads its own calibration text; give it ours instead, under a
     throwaway HOME (~/.cache/mlx-lm/calibration_v5.txt), so no network is needed."""
-    from mlx_lm.utils import load_tokenizer
+    from mixbit.models.loading import load_tokenizer
 
     home = work / "dynamic-home"
     target = home / ".cache" / "mlx-lm" / "calibration_v5.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(resolved.path)
+    tok = load_tokenizer(resolved.path)[0]
     docs = calib.builtin_documents(96)
     target.write_text("\n".join(calib.render(tok, d) for d in docs))
     env = dict(os.environ, HOME=str(home), HF_HUB_OFFLINE="1")
@@ -118,8 +119,8 @@ def token_klds(reference: LoadedModel, candidate: LoadedModel, rows: mx.array) -
     klds, agree, total = [], 0, 0
     for i in range(rows.shape[0]):
         x = rows[i:i + 1]
-        ref = reference.model(x).astype(mx.float32)[0]
-        got = candidate.model(x).astype(mx.float32)[0]
+        ref = score(reference.model, x).astype(mx.float32)[0]
+        got = score(candidate.model, x).astype(mx.float32)[0]
         ref_lp = ref - mx.logsumexp(ref, axis=-1, keepdims=True)
         got_lp = got - mx.logsumexp(got, axis=-1, keepdims=True)
         klds.append((mx.exp(ref_lp) * (ref_lp - got_lp)).sum(axis=-1))

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from mixbit.models.training import corpus
+from mixbit.models.forward import score
 from mixbit.models.loading import LoadedModel, prompt_opens_think, render_chat
 from mixbit.models.toolcall import leaks_markup, parse_output, parser_for_template
 
@@ -48,8 +49,6 @@ def generate_batch(lm: LoadedModel, prompts: list[str], max_tokens: int = 96,
     """Greedy completions; `processors` (one list per prompt) e.g. grammar masks."""
     from mlx_lm.generate import BatchGenerator
 
-    from mixbit.models.kernels import prompt_logits_unused
-
     tok = lm.tokenizer
     outputs: list[str] = []
     for i in range(0, len(prompts), batch_size):
@@ -59,8 +58,7 @@ def generate_batch(lm: LoadedModel, prompts: list[str], max_tokens: int = 96,
         uids = gen.insert(chunk, [max_tokens] * len(chunk), logits_processors=procs)
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         while True:
-            with prompt_logits_unused():  # as the engine: unread prompt logits stay lazy
-                responses = gen.next_generated()
+            responses = gen.next_generated()  # prompt logits stay lazy (PREFILL), as in the engine
             if not responses:
                 break
             for r in responses:
@@ -79,7 +77,7 @@ def tool_grammar_processors(lm: LoadedModel, prompts: list[corpus.ToolPrompt],
 
     if engine is None:
         cfg = lm.config.get("text_config", lm.config)
-        engine = GrammarEngine(lm.tokenizer._tokenizer, int(cfg["vocab_size"]),
+        engine = GrammarEngine(lm.hf_tokenizer, int(cfg["vocab_size"]),
                                sorted(lm.tokenizer.eos_token_ids))
     fmt = "json" if type(parser_for_template(lm.chat_template)).__name__ == "JsonToolParser" else "xml"
     out = []
@@ -134,7 +132,7 @@ def heldout_loss_by_kind(lm: LoadedModel, docs: list[dict], batch_size: int = 8)
     from mixbit.models.training.train import encode_with_targets
 
     tok = lm.tokenizer
-    fast = tok._tokenizer.backend_tokenizer
+    fast = tok.backend_tokenizer
     items = []
     for doc in docs:
         text = tok.apply_chat_template(doc["messages"], tools=doc["tools"], tokenize=False,
@@ -150,7 +148,7 @@ def heldout_loss_by_kind(lm: LoadedModel, docs: list[dict], batch_size: int = 8)
         pad = tok.eos_token_id or 0
         x = mx.array([ids + [pad] * (width - len(ids)) for _, ids, _ in chunk])
         w = mx.array([wt + [0.0] * (width - len(wt)) for _, _, wt in chunk])
-        logits = lm.model(x[:, :-1]).astype(mx.float32)
+        logits = score(lm.model, x[:, :-1]).astype(mx.float32)
         nll = nn.losses.cross_entropy(logits, x[:, 1:], reduction="none") * w[:, 1:]
         per_doc = nll.sum(axis=1).tolist()
         per_cnt = w[:, 1:].sum(axis=1).tolist()

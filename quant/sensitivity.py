@@ -19,6 +19,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from mixbit.models.forward import score
+
 from .calibration import CalibrationSet
 from .formats import BITS, Format, fake_quantize, formats_for, quantizable, tensor_class
 
@@ -63,7 +65,7 @@ class Runner:
 
     def logits(self, start_layer: int = 0) -> mx.array:
         if not self.layered or start_layer <= 0:
-            return self.model(self.rows)
+            return score(self.model, self.rows)
         start = min(start_layer, len(self.text.layers))
         h = self.inputs[start]
         for layer in self.text.layers[start:]:
@@ -171,10 +173,10 @@ def fisher_estimate(model: nn.Module, calib: CalibrationSet, bits: tuple[int, ..
     sample), so the cost is a few backward passes instead of a forward pass per (tensor,
     format). Each (tensor, format) then costs one fake-quantization: sum(F * (W - Q(W))^2) / 2.
     """
-    from mixbit.models import kernels
+    from mixbit.models.forward.layers import TRAIN, is_packed
 
     modules = quantizable(model)
-    on_kernels = [p for p, m in modules.items() if kernels.served(m)]
+    on_kernels = [p for p, m in model.named_modules() if is_packed(m)]
     if on_kernels:
         raise ValueError(f"fisher_estimate needs gradients, and {on_kernels[0]} (with "
                          f"{len(on_kernels) - 1} more) runs on mixbit's CPU kernels, which are "
@@ -185,16 +187,13 @@ def fisher_estimate(model: nn.Module, calib: CalibrationSet, bits: tuple[int, ..
 
     def nll(params, rows, targets):
         model.update(params)
-        logits = model(rows).astype(mx.float32)
+        logits = model(rows, phase=TRAIN).astype(mx.float32)  # differentiable MLX ops only
         return nn.losses.cross_entropy(logits, targets, reduction="sum")
-
-    from mixbit.models.gated_delta_chunked import unpatched
 
     params = model.trainable_parameters()
     grad_fn = mx.grad(nll)
     n_rows = calib.rows.shape[0]
-    with unpatched():
-        _accumulate_fisher(model, calib, modules, fisher, grad_fn, params, samples, key, progress)
+    _accumulate_fisher(model, calib, modules, fisher, grad_fn, params, samples, key, progress)
     model.update(params)
     tokens = n_rows * calib.rows.shape[1] * samples
     table = SensitivityTable(kld={}, params={}, shapes={})
@@ -222,7 +221,7 @@ def _accumulate_fisher(model, calib, modules, fisher, grad_fn, params, samples, 
     n_rows = calib.rows.shape[0]
     for i in range(n_rows):
         row = calib.rows[i:i + 1]
-        logits = model(row).astype(mx.float32)
+        logits = model(row, phase="score").astype(mx.float32)
         for _ in range(samples):
             key, sub = mx.random.split(key)
             targets = mx.random.categorical(logits, key=sub)

@@ -58,13 +58,18 @@ class LayerStream:
     """The model of a folder, as embeddings, decoder layers and a head that run one at a time."""
 
     def __init__(self, folder: Path):
-        from mlx_lm.utils import load_model
+        from mlx_lm.utils import load_config, load_model
 
-        from mixbit.models import gated_delta_chunked
+        from mixbit.models.forward.qwen3_5 import MODEL_TYPES, model_classes
 
-        gated_delta_chunked.install()  # chunk-parallel GatedDeltaNet where no Metal kernel runs
         self.folder = Path(folder)
-        self.model, self.config = load_model(self.folder, lazy=True, strict=True)
+        # mixbit's forward (GatedDeltaNet on the CPU kernel or chunk-parallel, not mlx-lm's
+        # per-token loop), its projections left as loaded: MLX's own layers
+        ours = load_config(self.folder).get("model_type") in MODEL_TYPES
+        self.model, self.config = load_model(self.folder, lazy=True, strict=True,
+                                             **({"get_model_classes": model_classes} if ours else {}))
+        if ours:  # the MTP head is quantized from the checkpoint's files (writer.py), not streamed
+            self.model.detach_mtp()
         lm = getattr(self.model, "language_model", self.model)
         self.lm = lm
         self.text = lm.model

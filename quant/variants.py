@@ -153,7 +153,7 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
     bytes plus one layer in float32); resumes a killed run of the same variant. `plan` replaces
     the recipe's formats (benchmarks build deliberately damaged variants with it). Returns the
     recipe.json content."""
-    from mlx_lm.utils import load_tokenizer
+    from mixbit.models.loading import load_tokenizer
 
     from . import calibration as calib
     from .stream import LayerStream
@@ -197,7 +197,7 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
         manifest.update(extra)
         # the quantize-time check: small, float32, dequantized (`mixbit eval --variants`
         # measures fidelity on more data)
-        heldout = calib.build(load_tokenizer(resolved.path), n_rows=4, length=64, split="heldout")
+        heldout = calib.build(load_tokenizer(resolved.path)[0], n_rows=4, length=64, split="heldout")
         result = write_streamed(stream, partial, formats, dst.name, cal_rows=cal.rows if awq else None,
                                 heldout_rows=heldout.rows, awq=awq, progress=prog)
         manifest["measured_kld"] = result.measured_kld

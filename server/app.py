@@ -9,6 +9,7 @@ import logging
 import re
 import threading
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -84,6 +85,11 @@ def ensure_shared_variant(s: Settings, resolved, progress, group=None, label: st
     return ensure()
 
 
+def plan_dir(s: Settings) -> Path:
+    """Where measured CPU plans are kept (models/forward/plan.py): beside the variants."""
+    return Path(s.model.cache_dir).expanduser() / "cpu-plans"
+
+
 def follow(settings: Settings, group) -> int:
     """A rank > 0 of `mixbit serve --distributed`: loads its shard and mirrors rank 0's engine."""
     s = settings
@@ -92,9 +98,9 @@ def follow(settings: Settings, group) -> int:
     variant = ensure_shared_variant(s, resolved, log.info, group)
     lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=group,
               cpu_quantized=s.generation.cpu_quantized,
-              cpu_activations=s.generation.cpu_activations)
+              cpu_activations=s.generation.cpu_activations, plan_dir=plan_dir(s))
     text_cfg = lm.config.get("text_config", lm.config)
-    grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
+    grammar = GrammarEngine(lm.hf_tokenizer, int(text_cfg["vocab_size"]),
                             sorted(lm.tokenizer.eos_token_ids))
     engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                     prefill_tokens=s.server.prefill_tokens,
@@ -192,13 +198,14 @@ def start_loading(state: ServerState) -> threading.Thread:
                 state.status, state.detail = "loading", f"loading {variant.path}"
                 lm = load(resolved, s.generation.compute_dtype, path=variant.path, group=state.group,
                           cpu_quantized=s.generation.cpu_quantized,
-                          cpu_activations=s.generation.cpu_activations)
+                          cpu_activations=s.generation.cpu_activations, plan_dir=plan_dir(s))
                 if state.variants:  # the same source's tokenizer: one copy serves every variant
                     lm.tokenizer = state.variants[0].lm.tokenizer
+                    lm.hf_tokenizer = state.variants[0].lm.hf_tokenizer
                 budget.add(label, model_bytes(lm.model))
                 text_cfg = lm.config.get("text_config", lm.config)
                 if grammar is None:  # one grammar engine (and its compiled-grammar cache) for all
-                    grammar = GrammarEngine(lm.tokenizer._tokenizer, int(text_cfg["vocab_size"]),
+                    grammar = GrammarEngine(lm.hf_tokenizer, int(text_cfg["vocab_size"]),
                                             sorted(lm.tokenizer.eos_token_ids))
                 v = ServerState(settings=s, status="ready", metrics=state.metrics,
                                 responses=state.responses, group=state.group, created=state.created,
@@ -478,7 +485,7 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
         if st.group is not None and st.group.size() > 1:
             raise APIError(400, "scoring is not available on a distributed (sharded) server",
                            code="unsupported_in_distributed")
-        vocab = len(st.lm.tokenizer._tokenizer)
+        vocab = len(st.lm.hf_tokenizer)
         if not 1 <= body.start < len(body.tokens) or any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be ids in [0, {vocab}) and 1 <= start < len(tokens)",
                            param="tokens", code="invalid_value")

@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import LRUPromptCache, _BaseCache
+from mlx.utils import tree_map
+from mlx_lm.models.cache import LRUPromptCache
 
 from ..models.blas import release_free_memory
-from ..models.kernels import engine_step
 
+from .batching import BatchLoop
 from .sampling import SamplingParams, greedy, make_processors, make_sampler
 
 log = logging.getLogger("mixbit.engine")
@@ -136,7 +136,7 @@ class _ChatMarks:
     ids, so every rank of a distributed engine finds the same ones."""
 
     def __init__(self, tokenizer):
-        vocab = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+        vocab = tokenizer  # mlx-lm's TokenizerWrapper forwards encode to the tokenizer it wraps
 
         def one(text: str) -> int | None:
             ids = vocab.encode(text, add_special_tokens=False)
@@ -177,31 +177,25 @@ def _guarded(seq: _Sequence, fn, fallback):
     return call
 
 
-def own_buffers(obj):
-    """A cache extracted from a batch (mlx-lm's `extract`) holds slices of the batch's arrays,
-    and an MLX slice keeps its whole parent buffer alive: a GatedDeltaNet state kept for prefix
-    reuse held every row of its batch, beyond what the prefix cache counts and bounds (the
-    embedded model, 8 batched requests: 29.4 MB held for 7.6 MB counted; the 0.8B shape after
-    a c=8 load: 1,659 MB of MLX arrays, 1,027 MB with the copies). Every array is copied into
-    its own buffer, in place on the cache objects; returns `obj`."""
-    arrays = []
+def own_buffers(cache: list) -> list:
+    """A cache extracted from a batch holds slices of the batch's arrays, and an MLX slice keeps
+    its whole parent buffer alive: a GatedDeltaNet state kept for prefix reuse held every row of
+    its batch, beyond what the prefix cache counts and bounds (the embedded model, 8 batched
+    requests: 29.4 MB held for 7.6 MB counted; the 0.8B shape after a c=8 load: 1,659 MB of MLX
+    arrays, 1,027 MB with the copies). Each layer's state is set to copies in buffers of their
+    own (through the caches' public `state`); returns `cache`."""
+    copies = []
 
-    def walk(o):
-        if isinstance(o, mx.array):
-            arrays.append(mx.contiguous(o))
-            return arrays[-1]
-        if isinstance(o, list):
-            return [walk(v) for v in o]
-        if isinstance(o, tuple):
-            return tuple(walk(v) for v in o)
-        if isinstance(o, _BaseCache):
-            for k, v in vars(o).items():
-                setattr(o, k, walk(v))
-        return o
+    def own(a):
+        if isinstance(a, mx.array):
+            copies.append(mx.contiguous(a))
+            return copies[-1]
+        return a
 
-    walk(obj)
-    mx.eval(arrays)  # the copies exist now; the batch's buffers are no longer referenced
-    return obj
+    for c in cache:
+        c.state = tree_map(own, c.state)
+    mx.eval(copies)  # the copies exist now; the batch's buffers are no longer referenced
+    return cache
 
 
 def step_buffer_bytes(model, batch: int) -> int:
@@ -219,9 +213,6 @@ def step_buffer_bytes(model, batch: int) -> int:
 # the logprob reported for a token a grammar, a logit bias or top-k/top-p ruled out (-inf):
 # OpenAI's own value for it, since JSON has no infinities
 MIN_LOGPROB = -9999.0
-
-PREFILL_MIN_STEP = 16  # prompt tokens per prompt and prefill round, however many prompts share it
-
 
 def keep_step_buffers(model, batch: int) -> int:
     """Raises MLX's buffer cache limit (process-wide, never lowered) to eight times the
@@ -366,7 +357,7 @@ class Engine:
         with mx.stream(stream):
             if self.group is not None:
                 mx.random.seed(0)  # unseeded sampling draws the same numbers on every rank
-            gen = self._generator(stream)
+            gen = self._generator()
             busy = False
             while True:
                 if busy and not self._active and self._inbox.empty():
@@ -388,7 +379,7 @@ class Engine:
                                   "batch with an error", len(self._active))
                     for seq in list(self._active.values()):
                         self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-                    gen = self._generator(stream)
+                    gen = self._generator()
 
     @staticmethod
     def _release_freed() -> None:
@@ -399,22 +390,9 @@ class Engine:
         release_free_memory()
         log.debug("idle: freed heap pages released in %.1f ms", (time.perf_counter() - started) * 1e3)
 
-    def _generator(self, stream) -> BatchGenerator:
-        return BatchGenerator(self.model, stop_tokens=[[t] for t in self.eos_ids],
-                              completion_batch_size=self.max_batch,
-                              prefill_batch_size=min(self.max_batch, 8),
-                              prefill_step_size=self.prefill_tokens, stream=stream)
-
-    def _fit_prefill_chunk(self, gen: BatchGenerator) -> None:
-        """mlx-lm cuts each prompt of a prefill round into `prefill_step_size` tokens, so a round
-        of 8 prompts took 8 times that many: the prompt tokens of one round are held to
-        `prefill_tokens` across the prompts being prefilled (at least PREFILL_MIN_STEP each), and
-        running streams decode a step between rounds. At the 0.8B shape a round of 8 x 300 tokens
-        faulted in fresh pages for every activation; 8 x 64 reuses MLX's cached buffers
-        (docs/cpu-serving.md: the 8 prompts' TTFT 31-37 -> 25-32 s)."""
-        prompts = min(gen.prefill_batch_size,
-                      len(gen._currently_processing) + len(gen._unprocessed_sequences))
-        gen.prefill_step_size = max(PREFILL_MIN_STEP, self.prefill_tokens // max(prompts, 1))
+    def _generator(self) -> BatchLoop:
+        return BatchLoop(self.model, stop_tokens=self.eos_ids, max_batch=self.max_batch,
+                         prefill_batch=min(self.max_batch, 8), prefill_tokens=self.prefill_tokens)
 
     def _next_ops(self, block: bool) -> list | None:
         """What to apply before the next step: admissions and cancellations (None: stop)."""
@@ -476,7 +454,7 @@ class Engine:
                     ops.append(("cancel", seq, op[2]))
         return ops
 
-    def _apply(self, gen: BatchGenerator, op) -> None:
+    def _apply(self, gen: BatchLoop, op) -> None:
         if op[0] == "add":
             self.stats.waiting -= 1
             seq = op[1]
@@ -495,7 +473,7 @@ class Engine:
             else:
                 seq.cancelled = reason
 
-    def _add(self, gen: BatchGenerator, seq: _Sequence) -> None:
+    def _add(self, gen: BatchLoop, seq: _Sequence) -> None:
         if seq.cancelled:
             self._finish(seq, seq.cancelled)
             return
@@ -511,11 +489,9 @@ class Engine:
         marks = [(c, kind) for c, kind in self._marks.checkpoints(seq.prompt) if c > seq.cached]
         seq.checkpoints = dict(marks)
         cuts = [c - seq.cached for c, _ in marks]
-        (seq.uid,) = gen.insert_segments(
-            [[rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])]],
-            max_tokens=[seq.params.max_tokens], caches=[cache],
-            all_tokens=[seq.prompt[:seq.cached]], samplers=[sampler],
-            logits_processors=[processors])
+        seq.uid = gen.insert([rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])],
+                             seq.params.max_tokens, cache=cache, tokens=seq.prompt[:seq.cached],
+                             sampler=sampler, processors=processors)
         seq.detok = self.tokenizer.detokenizer
         seq.detok.reset()
         seq.stops = StopMatcher(seq.params.stop)
@@ -523,10 +499,8 @@ class Engine:
         self.stats.prompt_tokens_total += len(rest)
         self.stats.cached_tokens_total += seq.cached
 
-    def _step(self, gen: BatchGenerator) -> None:
-        self._fit_prefill_chunk(gen)
-        with engine_step():  # prompt logits left lazy, the logits' normalisation on the kernels
-            prompt_responses, responses = gen.next()
+    def _step(self, gen: BatchLoop) -> None:
+        prompt_responses, responses = gen.next()
         # keep the prompt's cache at each checkpoint and without its last token, so a resend of
         # the same prefix (a conversation's next turn, another one with the same system prompt)
         # is free

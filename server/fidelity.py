@@ -31,6 +31,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from mixbit.models.forward import score
 from mixbit.models.grammar import GrammarReplay
 
 log = logging.getLogger("mixbit.fidelity")
@@ -71,7 +72,7 @@ def log_softmax(logits: mx.array) -> mx.array:
 def forward_logprobs(model, ids: list[int], start: int) -> mx.array:
     """Log-probabilities [n, vocab] the model gives to positions start..len(ids)-1 (each row
     predicts ids[start + i]), teacher-forced in one pass without a cache."""
-    logits = model(mx.array([ids[:-1]]))[0, start - 1:]
+    logits = score(model, mx.array([ids[:-1]]))[0, start - 1:]
     return log_softmax(logits)
 
 
@@ -88,7 +89,7 @@ def chunked_logprobs(model, ids: list[int], start: int, chunk: int,
     pos = 0
     while pos < len(inputs):
         end = min(pos + chunk, len(inputs))
-        logits = model(mx.array([inputs[pos:end]]), cache=cache)[0]
+        logits = score(model, mx.array([inputs[pos:end]]), cache=cache)[0]
         first = max(start - 1, pos)
         if first < end:
             lp = log_softmax(logits[first - pos:])

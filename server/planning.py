@@ -65,7 +65,7 @@ def _sampling(st: ServerState, req, max_tokens: int | None, prompt_len: int,
         raise APIError(400, f"{max_param} ({max_tokens}) plus the prompt ({prompt_len} tokens) "
                        f"exceeds the context of {st.context_length} tokens; at most {room} "
                        "tokens can be generated", param=max_param, code="context_length_exceeded")
-    vocab = len(st.lm.tokenizer._tokenizer)
+    vocab = len(st.lm.hf_tokenizer)
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         tid = int(key)
@@ -190,7 +190,7 @@ def completion_plans(st: ServerState, req: CompletionRequest) -> list[Plan]:
         prompts = list(p)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
-    vocab = len(st.lm.tokenizer._tokenizer)
+    vocab = len(st.lm.hf_tokenizer)
     plans = []
     for item in prompts:
         if isinstance(item, str):

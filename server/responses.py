@@ -243,7 +243,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.output: list[dict] = []
         self._open: dict | None = None  # the item receiving deltas
-        self._seq = 0
+        self.sequence_number = 0
 
     # ----------------------------------------------------------------- the response object
     def response(self, status: str = "in_progress", usage: dict | None = None,
@@ -266,8 +266,8 @@ class ResponseBuilder:
         }
 
     def _event(self, kind: str, **data) -> dict:
-        self._seq += 1
-        return {"type": kind, "sequence_number": self._seq, **data}
+        self.sequence_number += 1
+        return {"type": kind, "sequence_number": self.sequence_number, **data}
 
     def start(self) -> list[dict]:
         snapshot = self.response()

@@ -53,7 +53,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def _token_text_bytes(tokenizer, token_id: int) -> tuple[str, list[int]]:
-    piece = tokenizer._tokenizer.convert_ids_to_tokens(token_id)
+    piece = tokenizer.convert_ids_to_tokens(token_id)
     dec = _byte_decoder()
     if piece is not None and all(ch in dec for ch in piece):
         raw = bytes(dec[ch] for ch in piece)
@@ -456,7 +456,7 @@ async def stream_response(st, request, plan, choice, builder, conversation):
             if isinstance(ev, FinishEvent) and ev.reason == "error":
                 failed = generation_error(ev)
                 err = {"type": "error", "code": failed.code, "message": failed.message,
-                       "param": None, "sequence_number": builder._seq + 1}
+                       "param": None, "sequence_number": builder.sequence_number + 1}
                 yield {"event": "error", "data": json.dumps(err)}
                 return
             events = c.feed(ev.text, final=isinstance(ev, FinishEvent))

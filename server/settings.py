@@ -122,7 +122,9 @@ class GenerationSettings(_Section):
         "auto", description="how quantized (and bf16) projections run on CPU: packed (mixbit's "
         "kernels on the packed weights), dense (float32, dequantized once at load), mlx (MLX's "
         "quantized_matmul, prompts through a transient dequantized weight), auto: per layer shape, "
-        "packed unless dense float32 measured faster and fits a quarter of physical memory")
+        "packed unless dense float32 measured faster and fits a quarter of physical memory, as "
+        "measured at the variant's first start on this machine (kept under "
+        "model.cache_dir/cpu-plans)")
     cpu_activations: Literal["auto", "float32", "int16", "int8"] = Field(
         "auto", description="how activations enter the packed CPU kernels: float32 (exact), int16 "
         "(16-bit integers per group of the weight, within 1/65024 of the group's largest value, "

@@ -13,11 +13,13 @@ import pytest
 
 from mixbit.models import kernels
 
-from mixbit.models.loading import DENSE_ROWS, load
+from mixbit.models.forward.layers import MlxQuantizedLinear
+from mixbit.models.loading import load
 from mixbit.models.registry import resolve
 
 from .conftest import WEATHER
 
+DENSE_ROWS = MlxQuantizedLinear.dense_rows
 needs_kernels_for_server = pytest.mark.skipif(not kernels.available(),
                                               reason=f"no kernels: {kernels.IMPORT_ERROR}")
 
@@ -44,8 +46,8 @@ def _prompt(lm):
 def _set_rows(model, rows: int | None) -> int:
     n = 0
     for _, m in model.named_modules():
-        if hasattr(m, "_dense_rows"):
-            m._dense_rows = rows
+        if hasattr(m, "dense_rows"):
+            m.dense_rows = rows
             n += 1
     return n
 
@@ -55,7 +57,7 @@ def test_every_quantized_layer_takes_the_cpu_path(uniform4):
 
     quantized = [m for _, m in uniform4.model.named_modules()
                  if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-    assert quantized and all(hasattr(m, "_dense_rows") for m in quantized)
+    assert quantized and all(hasattr(m, "dense_rows") for m in quantized)
 
 
 def test_dense_prefill_equals_the_quantized_kernels(uniform4):

@@ -54,67 +54,68 @@ def test_state_carries_across_calls():
     assert mx.allclose(s2, s_all, atol=2e-5).item()
 
 
-def test_installed_model_output_is_unchanged(loaded_tiny):
-    """The whole embedded model gives the same logits through mixbit's route for the recurrence
-    (the CPU kernel where built, else the chunked form) and through mlx-lm's per-token loop."""
-    import mlx_lm.models.qwen3_5 as q35
+@pytest.mark.parametrize("route", ["chunked", "kernel"])
+def test_model_output_is_the_per_token_loops(loaded_tiny, route):
+    """The whole embedded model gives the same logits with its recurrence on the CPU kernel or
+    in the chunked form as with mlx-lm's per-token loop (`gated_delta_update`)."""
+    from mixbit.models import kernels
+    from mixbit.models.forward.qwen3_5 import GatedDeltaNet
 
+    if route == "kernel" and not kernels.available():
+        pytest.skip(kernels.IMPORT_ERROR)
     ids = mx.array([loaded_tiny.tokenizer.encode("Hello there, what is the weather in Oslo? " * 12)])
-    patched = q35.gated_delta_update
-    assert getattr(patched, "__wrapped__", None) is not None, "mixbit's loader installs its route for the recurrence"
-    fast = loaded_tiny.model(ids)
-    q35.gated_delta_update = patched.__wrapped__
+    layers = [m for _, m in loaded_tiny.model.named_modules() if isinstance(m, GatedDeltaNet)]
+    before = [m.recurrence for m in layers]
     try:
-        slow = loaded_tiny.model(ids)
+        logits = {}
+        for name in (route, "mlx"):
+            for m in layers:
+                m.recurrence = name
+            logits[name] = loaded_tiny.model(ids, phase="score")
     finally:
-        q35.gated_delta_update = patched
-    assert mx.allclose(fast, slow, atol=1e-3, rtol=1e-3).item()
+        for m, r in zip(layers, before):
+            m.recurrence = r
+    assert mx.allclose(logits[route], logits["mlx"], atol=1e-3, rtol=1e-3).item()
 
 
 def test_prompt_pass_does_not_keep_every_layers_conv_input_alive(embedded_path):
     """A GatedDeltaNet layer evaluates what it leaves in the cache (the conv state, a copy of the
     conv input's last rows, and the new recurrent state) before the next layer runs. Lazily
     they kept every layer's whole conv input and chunk intermediates alive until the end of the
-    pass (the 0.8B shape, 8x300 tokens: 2.17 GB above the weights at the peak, 0.80 GB now).
+    pass (the 0.8B shape, 8x300 tokens: 2.17 GB above the weights at the peak, 0.80 GB after).
     Served packed, as at real size (each kernel call is a synchronisation point): same results,
     a lower peak by more than one layer's conv input."""
-    import mlx.nn as nn
-    import mlx_lm.models.qwen3_5 as q35
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load as mlx_load
 
-    from mixbit.models import gated_delta_chunked, kernels
+    from mixbit.models import kernels
+    from mixbit.models.forward.qwen3_5 import GatedDeltaNet
+
+    from .test_kernels import _packed_and_dense
 
     if not kernels.available():
         pytest.skip(kernels.IMPORT_ERROR)
-    gated_delta_chunked.install()
-    model, _ = mlx_load(str(embedded_path))
-    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: isinstance(
-        m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 64 == 0)
-    model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
-    kernels.serve(model, "packed", small=0)
-    evaluated = q35.GatedDeltaNet.__call__
-    assert getattr(evaluated, "__wrapped__", None) is not None
+    model, _ = _packed_and_dense(embedded_path, lambda p: True, activations="float32")
+    layers = [m for _, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
     B, T = 8, 1024
     tokens = (mx.arange(B * T, dtype=mx.int32).reshape(B, T) % 1000) + 5
     runs = {}
     try:
-        for name, call in (("evaluated", evaluated), ("lazy", evaluated.__wrapped__)):
-            q35.GatedDeltaNet.__call__ = call
+        for name, evaluate in (("evaluated", True), ("lazy", False)):
+            for m in layers:
+                m.evaluate_cache = evaluate
             mx.eval(model.parameters())
             mx.clear_cache()
             base = mx.get_active_memory()
             mx.reset_peak_memory()
             cache = make_prompt_cache(model)
-            with kernels.prompt_logits_unused():
-                model(tokens, cache=cache)
-                mx.eval([c.state for c in cache])
+            model(tokens, cache=cache)  # PREFILL: the logits are never evaluated
+            mx.eval([c.state for c in cache])
             step = model(tokens[:, :1], cache=cache)[:, -1]  # a decode step reads the cache
             runs[name] = (mx.get_peak_memory() - base, np.array(step))
             del cache
     finally:
-        q35.GatedDeltaNet.__call__ = evaluated
-    layer = model.language_model.model.layers[0].linear_attn
-    conv_input = B * (T + layer.conv_kernel_size - 1) * layer.conv_dim * 4
+        for m in layers:
+            m.evaluate_cache = True
+    conv_input = B * (T + layers[0].conv_kernel_size - 1) * layers[0].conv_dim * 4
     assert runs["evaluated"][0] + conv_input <= runs["lazy"][0], (runs["evaluated"][0], runs["lazy"][0])
     np.testing.assert_allclose(runs["evaluated"][1], runs["lazy"][1], rtol=1e-5, atol=1e-5)

@@ -103,24 +103,34 @@ def test_bad_buffers_are_errors_not_crashes():
         q.gated_delta_scan(*[a] * 8, 1, 0, 1, 4, 4)
 
 
-def _packed_and_dense(embedded_path, quantize_path):
-    """The embedded model twice, float32, with its Linear/Embedding layers at paths where
-    `quantize_path` holds quantized to 4 bits (group 64): the second dequantized back to dense."""
+def _quantized(embedded_path, quantize_path, classes=True):
+    """The embedded model, float32, in mixbit's forward (`classes`; else mlx-lm's qwen3_5, the
+    reference), with its Linear/Embedding layers at paths where `quantize_path` holds quantized
+    to 4 bits (group 64)."""
     import mlx.nn as nn
-    from mlx_lm.utils import load as mlx_load
+    from mlx_lm.utils import load_model
 
-    from mixbit.models.loading import _dequantize
+    from mixbit.models.forward.qwen3_5 import model_classes
 
-    def quantized():
-        model, _ = mlx_load(str(embedded_path))
-        nn.quantize(model, group_size=64, bits=4,
-                    class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
-                    and m.weight.shape[-1] % 64 == 0 and quantize_path(p))
-        model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
-        return model
+    model, _ = load_model(embedded_path, **({"get_model_classes": model_classes} if classes else {}))
+    nn.quantize(model, group_size=64, bits=4,
+                class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
+                and m.weight.shape[-1] % 64 == 0 and quantize_path(p))
+    model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
+    return model
 
-    packed, dense = quantized(), quantized()
-    _dequantize(dense)
+
+def _packed_and_dense(embedded_path, quantize_path, activations: str | None = None):
+    """The embedded model twice (`_quantized`): the first built from a rule plan for
+    `activations` that serves every quantized layer packed (None: left unbuilt), the second
+    dequantized back to dense."""
+    from mixbit.models.forward.plan import rule_plan
+    from mixbit.models.forward.qwen3_5 import build
+
+    packed, dense = _quantized(embedded_path, quantize_path), _quantized(embedded_path, quantize_path)
+    if activations is not None:
+        build(packed, rule_plan(packed, activations, small=0))  # even the tiny model's layers
+    build(dense, None)
     return packed, dense
 
 
@@ -130,30 +140,34 @@ def test_model_served_packed_gives_dense_logits(embedded_path):
     on the kernels, prompts through the transient dense path; GatedDeltaNet's recurrence and
     conv and the SiLUs on the kernels too) and dense: the same logits for a batch
     of two 160-token prompts and three decode steps."""
-    packed, dense = _packed_and_dense(embedded_path, lambda p: "mlp" in p or "embed" in p)
-    summary = kernels.serve(packed, "packed", small=0)  # even the tiny model's layers
-    assert summary["packed"] > 0 and summary["dense"] == 0
-    kinds = {type(m).__name__ for _, m in packed.named_modules()}
-    assert {"PackedLinear", "PackedEmbedding", "DepthwiseConv1d", "MLP", "RMSNormGated"} <= kinds
-    # the convolution applies the SiLU for prompts, and mlx-lm's nn.silu after it gives it back
-    convs = [m for _, m in packed.named_modules() if type(m).__name__ == "DepthwiseConv1d"]
-    assert convs and all(c._fuse_silu for c in convs)
-    import sys
+    from mixbit.models.forward.plan import rule_plan
+    from mixbit.models.forward.qwen3_5 import GatedDeltaNet, build
 
-    assert isinstance(sys.modules["mlx_lm.models.qwen3_5"].nn, kernels._SiluDone)
+    packed, dense = _packed_and_dense(embedded_path, lambda p: "mlp" in p or "embed" in p)
+    counts = build(packed, rule_plan(packed, "auto", small=0))  # even the tiny model's layers
+    assert counts["packed"] > 0 and counts["dense"] == 0
+    kinds = {type(m).__name__ for _, m in packed.named_modules()}
+    assert {"PackedLinear", "PackedEmbedding"} <= kinds
+    # the convolution and its SiLU, the gated norm's and the MLP's SiLUs on the kernels
+    convs = [m for _, m in packed.named_modules() if isinstance(m, GatedDeltaNet)]
+    assert convs and all(c.fused for c in convs)
+    reference = _quantized(embedded_path, lambda p: "mlp" in p or "embed" in p, classes=False)
+    from mixbit.models.loading import _dequantize
+
+    _dequantize(reference)  # mlx-lm's own qwen3_5 over the same dequantized weights
     tokens = (mx.arange(2 * 160, dtype=mx.int32).reshape(2, 160) * 37) % 4000 + 5
     # the prompt is large enough for the SiLU kernel (MLX's op below kernels.ACT_MIN values)
     assert tokens.size * packed.args.text_config["intermediate_size"] >= kernels.ACT_MIN
-    for model in (packed, dense):  # prompt, then decode steps (one row: the kernels)
-        from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
-        model._cache = make_prompt_cache(model)
     outs = {}
-    for name, model in (("packed", packed), ("dense", dense)):
-        logits = [model(tokens, cache=model._cache)[:, -1]]
+    for name, model in (("packed", packed), ("dense", dense), ("mlx-lm", reference)):
+        cache = make_prompt_cache(model)  # prompt, then decode steps (one row: the kernels)
+        logits = [model(tokens, cache=cache)[:, -1]]
         for t in (7, 11, 13):
-            logits.append(model(mx.array([[t], [t + 1]]), cache=model._cache)[:, -1])
+            logits.append(model(mx.array([[t], [t + 1]]), cache=cache)[:, -1])
         outs[name] = np.array(mx.concatenate(logits))
+    np.testing.assert_allclose(outs["dense"], outs["mlx-lm"], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(outs["packed"], outs["dense"], rtol=1e-3, atol=1e-3)
     assert (outs["packed"].argmax(-1) == outs["dense"].argmax(-1)).all()
 
@@ -333,23 +347,29 @@ def test_panel_mode_refuses_what_it_cannot_do():
 
 @needs_int16
 def test_decode_activations_setting(embedded_path):
-    """serve(activations=...): "float32" keeps every decode row on the float kernel, "int16" puts
+    """The plan's activations: "float32" keeps every decode row on the float kernel, "int16" puts
     every packed affine layer on the integer one ("int8" too, its prompts on 8-bit panels),
-    "auto" decides per shape by timing (the plan says which); the model's decode logits differ by
-    far less than quantization moves them (KLD < 1e-5 between the two, same greedy tokens),
-    "int8" changes nothing but the engine's prefill, and a bad value is refused."""
+    "auto" decides per shape by timing (the measured plan says which); the model's decode logits
+    differ by far less than quantization moves them (KLD < 1e-5 between the two, same greedy
+    tokens), "int8" changes nothing but the PREFILL phase, and a bad value is refused."""
+    from mixbit.models.forward.plan import measure_plan, rule_plan
+    from mixbit.models.forward.qwen3_5 import build
+
     models = {}
     for act in ("float32", "int16", "int8", "auto"):
-        model, _ = _packed_and_dense(embedded_path, lambda p: "mlp" in p or "embed" in p)
-        plan = kernels.serve(model, "packed", small=0, activations=act)
+        model = _quantized(embedded_path, lambda p: "mlp" in p or "embed" in p)
+        cpu_plan = (measure_plan(model, "packed", act, small=0) if act == "auto"
+                    else rule_plan(model, act, small=0))
+        build(model, cpu_plan)
+        plan = cpu_plan.summary()
         assert {r["decode"] for r in plan["shapes"]} <= ({"float32"} if act == "float32" else
                                                           {"int16"} if act in ("int16", "int8") else
                                                           {"float32", "int16"})
         # every packed layer runs its decode rows as the plan says for its shape
         planned = {(r["out"], r["in"], r["bits"], r["group"]): r["decode"] for r in plan["shapes"]}
         packed = [m for _, m in model.named_modules() if type(m).__name__.startswith("Packed")]
-        assert packed and all(m._decode_mode == {"float32": kernels.FLOAT, "int16": kernels.INT16}[
-            planned[kernels._shape_key(m)]] for m in packed)
+        assert packed and all(m.decode_mode == {"float32": kernels.FLOAT, "int16": kernels.INT16}[
+            planned[kernels.shape_key(m)]] for m in packed)
         # prompts: no integer panels under "float32", the 16-bit ones wherever they run under
         # "int16", the 8-bit ones under "int8"
         for r in plan["shapes"]:
@@ -372,33 +392,33 @@ def test_decode_activations_setting(embedded_path):
     assert 0 < kld < 1e-5, kld
     assert bool(mx.all(logits["float32"].argmax(-1) == logits["int16"].argmax(-1)))
 
-    # "int8": 8-bit activations only for the engine's prefill (prompt_logits_unused), where a
-    # request reads the prompt only through the state it leaves; teacher-forced scoring (fidelity,
+    # "int8": 8-bit activations only in the PREFILL phase (the engine's prompts), where a request
+    # reads the prompt only through the state it leaves; teacher-forced scoring (SCORE: fidelity,
     # prompt logprobs), output heads and decode batches compute exactly what "int16" computes
     from mlx_lm.models.cache import ArraysCache
 
-    prompt = mx.array([[5, 9, 200, 31, 77, 1024, 17, 3, 99, 450, 12, 6]])
+    prompt = mx.array([[5, 9, 200, 31, 77, 1024, 17, 3, 99, 450, 12, 6] * 2])  # past the rule plan's 16 rows
     batch = mx.array([[7], [11], [13], [300], [8], [9]])
     scored, states, stepped = {}, {}, {}
     for act in ("int16", "int8"):
         model = models[act]
-        scored[act] = model(prompt)  # teacher-forced, outside the engine's steps
+        scored[act] = model(prompt, phase="score")  # teacher-forced
         cache = make_prompt_cache(model)
-        with kernels.prompt_logits_unused():
-            model(prompt, cache=cache)
+        model(prompt, cache=cache)  # several positions, no phase: PREFILL
         states[act] = [c[1] for c in cache if isinstance(c, ArraysCache)]  # GatedDeltaNet states
         batched = make_prompt_cache(model)
-        model(mx.repeat(prompt, 6, 0), cache=batched)  # the same state in every row, then one batch step
-        with kernels.prompt_logits_unused():
-            stepped[act] = model(batch, cache=batched)
+        model(mx.repeat(prompt, 6, 0), cache=batched, phase="score")  # the same state in every row
+        stepped[act] = model(batch, cache=batched)  # then one batch step (one position: DECODE)
         mx.eval(scored[act], states[act], stepped[act])
     np.testing.assert_array_equal(np.array(scored["int8"]), np.array(scored["int16"]))
     np.testing.assert_array_equal(np.array(stepped["int8"]), np.array(stepped["int16"]))
     gap = max(float(mx.abs(a - b).max() / mx.abs(b).max()) for a, b in zip(states["int8"], states["int16"]))
     assert 1e-5 < gap < 0.1, gap  # the prefill did run on 8-bit activations, close to 16-bit ones
-    model, _ = _packed_and_dense(embedded_path, lambda p: "embed" in p)
+    model = _quantized(embedded_path, lambda p: "embed" in p)
     with pytest.raises(ValueError, match="activations"):
-        kernels.serve(model, "packed", small=0, activations="int4")
+        rule_plan(model, "int4", small=0)
+    with pytest.raises(ValueError, match="phase"):
+        models["int16"](prompt, phase="warmup")
 
 
 def test_built_at_install():
@@ -494,9 +514,9 @@ def test_depthwise_conv_matches_mlx(B, L, C):
 
 @needs_kernels
 @needs_kernels
-def test_silu_after_the_conv_is_applied_once():
-    """The conv's own SiLU (prompts) and _SiluDone: nn.silu hands back exactly the array the
-    conv gave, once; any other array gets MLX's SiLU."""
+def test_silu_after_the_conv_is_the_silu_of_the_conv():
+    """The conv with its SiLU applied on the kernel (GatedDeltaNet's, in a fused layer) is
+    MLX's SiLU of the conv."""
     import mlx.nn as nn
 
     x = mx.random.normal((2, 70, 600))
@@ -504,14 +524,6 @@ def test_silu_after_the_conv_is_applied_once():
     conv = np.array(kernels.depthwise_conv(x, w_t))
     fused = kernels.depthwise_conv(x, w_t, then_silu=True)
     np.testing.assert_allclose(np.array(fused), np.array(nn.silu(mx.array(conv))), rtol=1e-5, atol=1e-6)
-    proxy = kernels._SiluDone(nn)
-    kernels._silu_done.y = fused
-    assert proxy.silu(fused) is fused
-    again = proxy.silu(fused)  # no longer the conv's fresh output: a SiLU of it
-    np.testing.assert_allclose(np.array(again), np.array(nn.silu(fused)), rtol=1e-6)
-    other = mx.random.normal((3, 5))
-    np.testing.assert_allclose(np.array(proxy.silu(other)), np.array(nn.silu(other)))
-    assert proxy.Linear is nn.Linear
 
 
 @needs_kernels
@@ -546,12 +558,13 @@ def test_decode_rows_take_their_silus_on_the_kernels(embedded_path, monkeypatch)
     kernel, one call each per layer, and the logits are MLX's own ops' to rounding."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    packed, dense = _packed_and_dense(embedded_path, lambda p: True)
-    # float32 activations: under "auto" the timing at load may put decode rows on INT16, whose
-    # logits differ from dense by ~1e-3 of their scale, the bound below
-    kernels.serve(packed, "packed", small=0, activations="float32")
+    from mixbit.models.forward.qwen3_5 import GatedDeltaNet
+
+    # float32 activations: INT16 decode rows' logits differ from dense by ~1e-3 of their scale,
+    # the bound below
+    packed, dense = _packed_and_dense(embedded_path, lambda p: True, activations="float32")
     layers = packed.args.text_config["num_hidden_layers"]
-    linear = sum(1 for _, m in packed.named_modules() if type(m).__name__ == "DepthwiseConv1d")
+    linear = sum(1 for _, m in packed.named_modules() if isinstance(m, GatedDeltaNet) and m.fused)
     prompt = mx.array([[5, 9, 11, 40, 7, 3]])
     logits = {}
     for name, model in (("packed", packed), ("dense", dense)):
@@ -582,7 +595,7 @@ def test_decode_rows_take_their_silus_on_the_kernels(embedded_path, monkeypatch)
 
 @needs_kernels
 def test_load_time_measurement_never_builds_a_whole_dense_copy(monkeypatch):
-    """`serve` times each layer shape dense and packed at load; dense float32 is timed on a part
+    """`measure_plan` times each layer shape dense and packed at load; dense float32 is timed on a part
     of the rows (the 0.8B shape's load peaked at 6.9 GB resident for a 439 MB variant when every
     shape's whole dense copy was built and kept in MLX's cache)."""
     import mlx.nn as nn
@@ -646,46 +659,35 @@ def test_logsumexp_matches_a_float64_reference(portable):
 
 
 @needs_kernels
-def test_engine_steps_normalise_on_the_kernels(embedded_path, monkeypatch):
-    """mlx-lm's BatchGenerator normalises every decode step's logits; inside engine_step() that
-    runs on the kernels (here from 16 values a row, so the embedded model's 4,096 engage), outside
-    it MLX's op does. Greedy tokens are the same and the log-probabilities agree."""
-    import importlib
+def test_decode_steps_normalise_on_the_kernels(loaded_tiny, monkeypatch):
+    """mixbit's decode loop normalises every decode step's logits with kernels.logsumexp: on the
+    kernels from LSE_MIN values a row (here 16, so the embedded model's 4,096 engage), MLX's op
+    below. Greedy tokens are the same and the log-probabilities agree."""
+    from mixbit.server.batching import BatchLoop
 
-    from mlx_lm.generate import BatchGenerator
-    from mlx_lm.utils import load as mlx_load
-
-    generate = importlib.import_module("mlx_lm.generate")
-    model, tok = mlx_load(str(embedded_path))
-    model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
-    monkeypatch.setattr(kernels, "LSE_MIN", 16)
     calls = []
     real = kernels._qkernel.logsumexp
     monkeypatch.setattr(kernels._qkernel, "logsumexp", lambda *a: calls.append(a[2:]) or real(*a))
+    tok = loaded_tiny.tokenizer
     prompts = [tok.encode("What's the weather in Oslo?"), tok.encode("Write a haiku about the sea.")]
 
-    def run(step):
-        gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=2)
-        uids = gen.insert(prompts, max_tokens=[6, 6])
+    def run():
+        loop = BatchLoop(loaded_tiny.model, stop_tokens=[], max_batch=2)
+        uids = [loop.insert([p], 6) for p in prompts]
         out = {u: ([], []) for u in uids}
         while len(out[uids[0]][0]) < 6:
-            with step():
-                _, responses = gen.next()
-            for r in responses:
+            _, generated = loop.next()
+            for r in generated:
                 out[r.uid][0].append(r.token)
                 out[r.uid][1].append(np.array(r.logprobs))
-        gen.close()
         return [out[u] for u in uids]
 
-    mlx_run = run(contextlib.nullcontext)
+    monkeypatch.setattr(kernels, "LSE_MIN", 1 << 30)
+    mlx_run = run()
     assert not calls
-    kernel_run = run(kernels.engine_step)
+    monkeypatch.setattr(kernels, "LSE_MIN", 16)
+    kernel_run = run()
     assert calls and all(c == (2, 4096) or c == (1, 4096) for c in calls)
-    assert isinstance(generate.mx, kernels._StepMx)
     for (t_mlx, lp_mlx), (t_k, lp_k) in zip(mlx_run, kernel_run):
         assert t_mlx == t_k
         np.testing.assert_allclose(np.array(lp_k), np.array(lp_mlx), atol=1e-4)
-    n = len(calls)
-    x = mx.random.normal((1, 4096))
-    np.testing.assert_array_equal(np.array(generate.mx.logsumexp(x, axis=-1)), np.array(mx.logsumexp(x, axis=-1)))
-    assert len(calls) == n  # outside a step, MLX's

@@ -28,7 +28,9 @@ def test_fisher_refuses_a_model_served_on_the_forward_only_kernels():
     # packed, not auto: auto times both per shape, and on an AVX2-only CPU dense float32 wins for
     # every projection of the embedded model, so nothing would be served on the kernels
     lm = load(resolve("embedded:tiny-qwen3.5"), cpu_quantized="packed")
-    assert any(kernels.served(m) for _, m in lm.model.named_modules())
+    from mixbit.models.forward.layers import is_packed
+
+    assert any(is_packed(m) for _, m in lm.model.named_modules())
     cal = calib.build(lm.tokenizer, n_rows=1, length=16)
     with pytest.raises(ValueError, match="cpu_quantized='dense'"):
         fisher_estimate(lm.model, cal, bits=(4,))

@@ -58,19 +58,20 @@ def test_special_tokens_are_single_ids(tokenizers_three):
     assert auto.eos_token == "<|im_end|>"
 
 
-def test_the_served_tokenizer_drops_its_build_copies_and_tokenizes_the_same(embedded_path, tokenizers_three,
+def test_the_served_tokenizer_keeps_no_build_copies_and_tokenizes_the_same(embedded_path, tokenizers_three,
                                                                             tmp_path):
-    """The server's loader drops the Python vocabulary and merges transformers keeps after building
-    the Rust tokenizer (~130 MB at Qwen3.5's vocabulary): ids, decoding, the chat template and
-    saving are unchanged."""
+    """The server's loader takes the tokenizer as tokenizer.json says (transformers' fast
+    tokenizer over the Rust one), without the Python vocabulary and merges AutoTokenizer's
+    Qwen3_5Tokenizer keeps after building it (~130 MB at Qwen3.5's vocabulary): ids, decoding,
+    the chat template and saving are those of the other loaders."""
     from mixbit.models.loading import load, render_chat
     from mixbit.models.registry import resolve
     from transformers import AutoTokenizer
 
     raw, _, wrapper = tokenizers_three
-    served = load(resolve(str(embedded_path), allow_download=False), cpu_quantized="dense").tokenizer
-    hf = served._tokenizer
-    assert type(hf).__name__ == "Qwen3_5Tokenizer"
+    lm = load(resolve(str(embedded_path), allow_download=False), cpu_quantized="dense")
+    served, hf = lm.tokenizer, lm.hf_tokenizer
+    assert type(hf).__name__ != "Qwen3_5Tokenizer"
     assert not hasattr(hf, "_vocab") and not hasattr(hf, "_merges")
     hf.save_pretrained(str(tmp_path))
     saved = AutoTokenizer.from_pretrained(str(tmp_path))

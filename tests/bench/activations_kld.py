@@ -4,11 +4,11 @@ trained model's outputs, against the exact float32 kernels and against quantizat
     .venv/bin/python tests/bench/activations_kld.py [--bits 4] [--rows 4] [--tokens 192]
 
 The embedded model is quantized (mlx_lm.convert, `--bits`, group 64) into a temporary folder and
-served packed with every projection and the tied head on the kernels (kernels.serve(...,
+served packed with every projection and the tied head on the kernels (a rule plan, plan.rule_plan(...,
 small=0)), once per activation setting; calibration text (quant.calibration, the chat, code and
 tool-calling corpus) is decoded one token at a time, so every product is a decode row, and then
 run as whole prompts, teacher-forced as fidelity checks and prompt logprobs run (prompt rows;
-int8 keeps 16-bit activations there, kernels._kernel_mode), and as a server runs a request:
+int8 keeps 16-bit activations there: the SCORE phase), and as a server runs a request:
 half of each row prefilled (int8: 8-bit activations), the rest decoded on the state the
 prompt left. Prints KLD(mean, max) and top-1 agreement of: the variant against the bf16 model
 with each setting, and each integer setting against float32 on the same variant.
@@ -38,9 +38,12 @@ def main(argv=None) -> int:
     import mlx.core as mx
     from mlx_lm import convert
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load as mlx_load
+    from mlx_lm.utils import load_model
 
     from mixbit.models import kernels
+    from mixbit.models.forward.plan import rule_plan
+    from mixbit.models.forward.qwen3_5 import build, model_classes
+    from mixbit.models.loading import load_tokenizer
     from mixbit.models.registry import resolve
     from mixbit.quant import calibration
 
@@ -52,11 +55,10 @@ def main(argv=None) -> int:
     convert(str(src), mlx_path=str(variant), quantize=True, q_bits=args.bits, q_group_size=64)
 
     def model_for(path, activations=None):
-        model, tokenizer = mlx_load(str(path))
+        model, _ = load_model(Path(path), get_model_classes=model_classes)
         model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating))
-        if activations:
-            kernels.serve(model, "packed", small=0, activations=activations)
-        return model, tokenizer
+        build(model, rule_plan(model, activations, small=0) if activations else None)
+        return model, load_tokenizer(path)[0]
 
     reference, tokenizer = model_for(src)
     rows = calibration.build(tokenizer, n_rows=args.rows, length=args.tokens, seed=99).rows
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     def prompt_logits(model):  # every row as one prompt: all its positions' products are prompt rows
         out = []
         for r in range(rows.shape[0]):
-            out.append(model(rows[r:r + 1], cache=make_prompt_cache(model))[0])
+            out.append(model(rows[r:r + 1], cache=make_prompt_cache(model), phase="score")[0])
             mx.eval(out[-1])
         return mx.concatenate(out)
 
@@ -90,8 +92,7 @@ def main(argv=None) -> int:
         out = []
         for r in range(rows.shape[0]):
             cache = make_prompt_cache(model)
-            with kernels.prompt_logits_unused():
-                model(rows[r:r + 1, :half], cache=cache)
+            model(rows[r:r + 1, :half], cache=cache, phase="prefill")
             mx.eval([c.state for c in cache])
             for t in range(half, rows.shape[1]):
                 out.append(model(rows[r:r + 1, t:t + 1], cache=cache)[0, -1])

@@ -38,11 +38,17 @@ def main() -> int:
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-qwen3.5"))
     args = ap.parse_args()
     from mlx_lm import convert
-    from mlx_lm.utils import load
 
-    from mixbit.models import gated_delta_chunked
+    from mixbit.models.loading import load_tokenizer
 
-    gated_delta_chunked.install()
+    def load(path):  # mixbit's forward (GatedDeltaNet on the kernels), layers left as MLX's own
+        from mlx_lm.utils import load_model
+
+        from mixbit.models.forward.qwen3_5 import model_classes
+
+        model, _ = load_model(Path(path), get_model_classes=model_classes)
+        return model, load_tokenizer(path)[0]
+
     q4 = Path(tempfile.mkdtemp()) / "q4"
     convert(args.model, mlx_path=str(q4), quantize=True, q_bits=4, q_group_size=64)
     rows = []

@@ -94,8 +94,7 @@ def main(argv=None) -> int:
 
     def prefill():  # as the engine prefills: for the cache; the prompt's logits stay unevaluated
         c = make_prompt_cache(model)
-        with kernels.prompt_logits_unused():
-            model(chunk, cache=c)
+        model(chunk, cache=c, phase="prefill")
         mx.eval([s.state for s in c])
 
     rows.append((chunk_name, _timed(prefill, 2)))
@@ -105,7 +104,9 @@ def main(argv=None) -> int:
 
     # attribution: wrap modules, synchronise after each
     times = defaultdict(float)
-    projections = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+    from mixbit.models.forward.layers import PREFILL, Projection
+
+    projections = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding, Projection)
     originals = {}
 
     def label(path, module):
@@ -127,9 +128,8 @@ def main(argv=None) -> int:
             return out
         cls.__call__ = call
 
-    def kind_of(cls):
-        return next((c.__name__ for c in cls.__mro__
-                     if c.__name__ in ("GatedDeltaNet", "Qwen3NextAttention", "Qwen3NextMLP")), None)
+    def kind_of(cls):  # mixbit's layer classes (models/forward/qwen3_5.py)
+        return next((c.__name__ for c in cls.__mro__ if c.__name__ in ("GatedDeltaNet", "Attention", "MLP")), None)
 
     paths = {id(m): p for p, m in model.named_modules()}
     wrapped = set()
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         if isinstance(m, projections):
             wrap(cls, lambda s: label(paths.get(id(s), ""), s))
             wrapped.add(cls)
-        elif kind_of(cls):  # mlx-lm's layer classes, or mixbit's subclasses of them (kernels.serve)
+        elif kind_of(cls):
             wrap(cls, lambda s: f"layer {kind_of(type(s))}")
             wrapped.add(cls)
     lang = getattr(model, "language_model", model)
@@ -148,11 +148,12 @@ def main(argv=None) -> int:
     if head_owner is not None:
         orig_head = type(head_owner).as_linear
 
-        def as_linear(self, x):
+        def as_linear(self, x, phase=None):
             mx.eval(x)
             t = time.perf_counter()
-            out = orig_head(self, x)
-            if not kernels._lazy_head(x):  # a prompt's head stays unevaluated, as in the engine
+            out = orig_head(self, x, phase) if isinstance(self, Projection) else orig_head(self, x)
+            lazy = phase == PREFILL or (phase is None and x.shape[-2] > 1)
+            if not lazy:  # a prompt's head stays unevaluated, as in the engine
                 mx.eval(out)
             times["head"] += time.perf_counter() - t
             return out
@@ -171,11 +172,11 @@ def main(argv=None) -> int:
         print("| part | ms | share |\n|---|---|---|")
         # a layer's own time minus the projections it calls
         own = {"GatedDeltaNet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
-               "Qwen3NextAttention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-               "Qwen3NextMLP": ("gate_proj", "up_proj", "down_proj")}
+               "Attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+               "MLP": ("gate_proj", "up_proj", "down_proj")}
         names = {"GatedDeltaNet": "GatedDeltaNet recurrence, conv, norm",
-                 "Qwen3NextAttention": "attention core (RoPE, SDPA, gate)",
-                 "Qwen3NextMLP": "MLP activation"}
+                 "Attention": "attention core (RoPE, SDPA, gate)",
+                 "MLP": "MLP activation"}
         parts = {}
         for kind, inner_names in own.items():
             inner = sum(proj.get(f"projection {n}", 0.0) for n in inner_names)
@@ -216,14 +217,14 @@ def main(argv=None) -> int:
                                                      flat),
         "top_k 40": (make_sampler(temp=0.7, top_k=40), peaked),
         "logprobs (log-softmax), MLX": (lambda x: x - mx.logsumexp(x, -1, keepdims=True), peaked),
-        "logprobs (log-softmax), kernels (the engine's steps)": (
+        "logprobs (log-softmax), kernels (the decode loop)": (
             lambda x: x - kernels.logsumexp(x, -1, keepdims=True), peaked),
     }
     print(f"\n### sampling over {v} tokens (one row)\n\n| sampler | ms |\n|---|---|")
     for name, (fn, row) in samplers.items():
         ms = _timed(lambda: mx.eval(fn(row)), 10) * 1e3
         print(f"| {name} | {ms:.2f} |")
-    # mlx-lm normalises every row of every decode step, whatever the sampler
+    # the decode loop normalises every row of every decode step, whatever the sampler
     rows8 = mx.concatenate([peaked] * 8)
     mx.eval(rows8)
     print("\n| log-sum-exp of a decode step's logits, batch 8 | ms |\n|---|---|")
