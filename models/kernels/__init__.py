@@ -1,44 +1,32 @@
-"""Packed weights served packed on the CPU: our own kernels on MLX's buffers.
+"""Packed weights served packed on the CPU: mixbit's kernels on MLX's buffers.
 
-MLX's CPU `quantized_matmul` is no faster than dense float32 for one row and its cost grows with
-every row (issue 16's table: 636 ms for one decode step of the 0.8B shape's projections), so until
-now a quantized variant was dequantized to float32 at load and served from ~7x its own bytes.
-`_qkernel` (qkernel.c, built at install) reads the weights exactly as MLX stores them - affine
-2/3/4/5/6/8-bit in groups of 32/64/128, and bfloat16 - in place, so a variant is served from its
-own bytes:
+MLX's CPU `quantized_matmul` is slow past one row, so `_qkernel` (qkernel.c, built at install)
+reads the weights exactly as MLX stores them - affine 2/3/4/5/6/8-bit in groups of 32/64/128,
+and bfloat16 - in place, and a variant is served from its own bytes. `matmul` runs one of the
+modes below (which one is the CPU plan's choice, models/forward/plan.py; `measure` times them
+for it); each computes what MLX computes for the dequantized weight, to rounding
+(tests/test_kernels.py):
 
-- decode rows (a few per call): float32 FMAs on the packed weights, unpacked in registers;
-- prompt rows (from a crossover measured per layer shape, ~16-64 rows): the weight dequantized in
-  tiles of at most 64 MB and multiplied by cblas_sgemm (the OpenBLAS models/blas.py loads).
+- FLOAT: decode rows, float32 FMAs on the weights unpacked in registers;
+- INT16: decode rows with their activations as 16-bit integers per group (VNNI);
+- BLAS: prompts, the weight dequantized in tiles for cblas_sgemm (the OpenBLAS models/blas.py loads);
+- TILES: prompts and decode batches on AMX tiles, exact products;
+- PANEL / PANEL8: prompts and decode batches on 16-bit (8-bit) activations against the weights
+  unpacked once per call into panels of 64 columns (VNNI).
 
-Both compute what MLX computes for the dequantized weight, in float32 (to rounding; tests/
-test_kernels.py checks every width and group size). On CPUs with AVX-512 VNNI, decode rows may
-instead take their activations as 16-bit integers per group (INT16: within 1/65024 of the
-group's largest value, the products exact in int32; ~2x the float kernel for one row, KLD
-against it ~1e-7 on the trained embedded model); `generation.cpu_activations` and the timing
-at load decide (docs/cpu-serving.md).
-
-Beside the projections, for Qwen3.5's other costly parts on CPU: the GatedDeltaNet recurrence
-over a prompt or one decode step (`gated_delta`), its short convolution (`depthwise_conv`) and the
-SiLUs of a prompt (`silu`: MLX's Linux build computes exp one value at a time), and the
-normalisation of every decode step's logits (`logsumexp`, inside `engine_step()`).
-
-`serve(model)` times each layer shape here and switches the model's QuantizedLinear,
-QuantizedEmbedding (a tied output head) and bfloat16 Linear layers; where any of them runs packed
-(real sizes), also the depthwise Conv1d, the SwiGLU MLP and the gated RMSNorm. Each kernel call evaluates its
-input (a synchronisation, ~20-60 us), which is why small projections stay dense inside MLX's graph
-and why "auto" keeps a layer dense where that measured faster (the embedded model). The output
-head of a prompt stays lazy: mlx-lm's prompt processing never evaluates those logits.
+Beside the projections, Qwen3.5's other costly parts on the CPU: the GatedDeltaNet recurrence over
+a prompt or a decode step (`gated_delta`), its short convolution (`depthwise_conv`), SiLU
+(`silu`: MLX's Linux build computes exp one value at a time) and the normalisation of a decode
+step's logits (`logsumexp`). Each kernel call evaluates its inputs (a synchronisation), which is
+why small projections stay dense inside MLX's graph. docs/cpu-serving.md has how they are used,
+docs/cpu-serving-log.md what was measured.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import os
 import threading
-import types
 
 log = logging.getLogger("mixbit.models")
 
@@ -238,6 +226,31 @@ def gated_delta(q, k, v, g, beta, state, mask=None):
     new = _output((B, Hv, Dv, Dk), "state")
     _qkernel.gated_delta_scan(*args, y, new, B, T, Hv, Dk, Dv)
     return mx.array(y), mx.array(new)
+
+
+def gdn_decode_step(qkv, z, a, b, conv_state, w_t, A_log, dt_bias, state, norm_w, eps: float,
+                    key_heads: int, key_dim: int, qk_eps: float = 1e-6):
+    """One GatedDeltaNet decode step in one kernel call, from its projections' outputs to
+    out_proj's input: qkv [B, C], z [B, Hv * Dv], a and b [B, Hv], conv_state [B, K - 1, C],
+    w_t [K, C] (the conv weight transposed), A_log and dt_bias [Hv], state [B, Hv, Dv, Dk],
+    norm_w [Dv]. Returns y [B, Hv * Dv] (the gated RMSNorm of the delta rule's output), the new
+    conv state and the new recurrent state, float32: what the conv and SiLU, normalize_qk, the
+    gates, `gated_delta` and the gated norm compute one after the other."""
+    import mlx.core as mx
+
+    start()
+    B, C = qkv.shape
+    Hv = a.shape[-1]
+    Dv = z.shape[-1] // Hv
+    K = w_t.shape[0]
+    args = [mx.contiguous(t.astype(mx.float32)) for t in
+            (qkv, z, a, b, conv_state, w_t, A_log, dt_bias, state, norm_w)]
+    mx.eval(args)
+    y = _output((B, Hv * Dv), "step_y")
+    conv = _output((B, K - 1, C), "step_conv")
+    new = _output((B, Hv, Dv, key_dim), "state")
+    _qkernel.gdn_decode_step(*args, y, conv, new, B, key_heads, Hv, key_dim, Dv, K, eps, qk_eps)
+    return mx.array(y), mx.array(conv), mx.array(new)
 
 
 def depthwise_conv(x, w_t, then_silu: bool = False):

@@ -6,17 +6,22 @@
  *     (w = q * scale + bias, exactly mx.dequantize);
  *   - bfloat16 dense (bits == 16): tensors a recipe keeps unquantized stay 2 bytes a weight.
  *
- * The float path (mode 0) computes what MLX computes for the dequantized weight, in float32: every
- * weight is dequantized in registers and multiplied with float32 FMAs. Mode 1 takes the activations
- * as 16-bit integers per group and multiplies exactly in int32 (VNNI; vnni_block). One
- * unpacked weight vector serves up to ROWS input rows, which is where a decode batch gets its
- * speed-up over one row at a time; past a few dozen rows, dequantizing to a transient dense
- * matrix and calling BLAS wins (the caller decides, models/kernels/__init__.py).
+ * Six modes (the caller's CPU plan picks one per layer shape and number of rows):
+ *   0 FLOAT   every weight dequantized in registers, float32 FMAs (decode rows);
+ *   1 INT16   x as 16-bit integers per group, exact int32 products on VNNI (decode rows; vnni_block);
+ *   2 BLAS    the weight dequantized in tiles, then cblas_sgemm (prompts);
+ *   3 TILES   AMX-BF16 tiles, x split exactly into three bfloat16 parts (prompts, decode batches);
+ *   4 PANEL   INT16's x against the weights unpacked once per call into column panels (vpdpwssd);
+ *   5 PANEL8  PANEL with x as 8-bit integers per group (vpdpbusd; the engine's prefill).
+ * FLOAT, BLAS and TILES compute what MLX computes for the dequantized weight, in float32; INT16,
+ * PANEL and PANEL8 round x first (within 1/65024, 1/65024 and 1/254 of each group's largest
+ * value) and then multiply exactly.
  *
  * Paths: AVX-512 with VBMI (vpermb + vpmultishiftqb unpack any width from the bit stream in three
  * instructions per 64 weights; Zen 4, Ice Lake and later), and portable C for everything else
  * (compiled with target clones for AVX2 and the baseline). Work is split over output rows
- * between a small pool of threads; the GIL is released while they run. */
+ * between a small pool of threads; the GIL is released while they run. Beside the products: the
+ * GatedDeltaNet recurrence, its depthwise convolution, SiLU and log-sum-exp. */
 
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -510,10 +515,13 @@ static int64_t tile_panel_blocks(int64_t K) {
 #define PANEL_MR 6     /* input rows per register tile: 24 int32 accumulators */
 #define PANEL_MCHUNK 512 /* input rows per pass: x16 stays within a few MB */
 
-/* x as 16-bit integers per group, its units d and its group sums, rows r0..r1 (on the pool) */
-VNNI static void panel_prep_x(const Job *j, int64_t r0, int64_t r1) {
+/* x as integers per group - 16-bit (PANEL: x16 = round(x / d), d = the group's largest |x| /
+ * 32512) or 8-bit (PANEL8, `eight`: d = largest |x| / 127) - with their units d and the group
+ * sums of x, rows r0..r1 (on the pool); rounded to nearest even, as lrintf */
+VNNI static inline __attribute__((always_inline)) void prep_x(const Job *j, int64_t r0, int64_t r1,
+                                                              const int eight) {
     const int64_t K = j->K, g = j->group, ng = K / g;
-    int16_t *x16 = (int16_t *)j->x16;
+    const float levels = eight ? 127.0f : 32512.0f;
     float *xsum = (float *)j->xsum, *xd = (float *)j->xscale;
     for (int64_t m = r0; m < r1; m++)
         for (int64_t gi = 0; gi < ng; gi++) {
@@ -526,14 +534,20 @@ VNNI static void panel_prep_x(const Job *j, int64_t r0, int64_t r1) {
             }
             const float amax = _mm512_reduce_max_ps(a);
             xsum[m * ng + gi] = _mm512_reduce_add_ps(s);
-            xd[m * ng + gi] = amax / 32512.0f;
-            const __m512 inv = _mm512_set1_ps(amax > 0 ? 32512.0f / amax : 0.0f);
-            for (int64_t k = 0; k < g; k += 16) /* rounded to nearest even, as lrintf */
-                _mm256_storeu_si256((__m256i *)(x16 + m * K + gi * g + k),
-                                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
-                                        _mm512_mul_ps(_mm512_loadu_ps(xg + k), inv))));
+            xd[m * ng + gi] = amax / levels;
+            const __m512 inv = _mm512_set1_ps(amax > 0 ? levels / amax : 0.0f);
+            for (int64_t k = 0; k < g; k += 16) {
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), inv));
+                if (eight)
+                    _mm_storeu_si128((__m128i *)((int8_t *)j->xq + m * K + gi * g + k), _mm512_cvtsepi32_epi8(q));
+                else
+                    _mm256_storeu_si256((__m256i *)((int16_t *)j->x16 + m * K + gi * g + k),
+                                        _mm512_cvtsepi32_epi16(q));
+            }
         }
 }
+
+VNNI static void panel_prep_x(const Job *j, int64_t r0, int64_t r1) { prep_x(j, r0, r1, 0); }
 
 /* r[i] (16 dwords each) becomes its transpose: r[t] dword i = old r[i] dword t */
 VNNI static inline __attribute__((always_inline)) void transpose16(__m512i *r) {
@@ -653,28 +667,7 @@ VNNI static inline __attribute__((always_inline)) void panel_tile(
  * vpdpwssd's, and the panel holds one byte a weight, half of PANEL's. |q x8| <= 255 x 127, so a
  * group of up to 128 sums exactly in int32. The bias goes through x's float group sums, as in
  * PANEL. */
-VNNI static void panel8_prep_x(const Job *j, int64_t r0, int64_t r1) {
-    const int64_t K = j->K, g = j->group, ng = K / g;
-    int8_t *x8 = (int8_t *)j->xq;
-    float *xsum = (float *)j->xsum, *xd = (float *)j->xscale;
-    for (int64_t m = r0; m < r1; m++)
-        for (int64_t gi = 0; gi < ng; gi++) {
-            const float *xg = j->x + m * K + gi * g;
-            __m512 s = _mm512_setzero_ps(), a = _mm512_setzero_ps();
-            for (int64_t k = 0; k < g; k += 16) {
-                const __m512 v = _mm512_loadu_ps(xg + k);
-                s = _mm512_add_ps(s, v);
-                a = _mm512_max_ps(a, _mm512_abs_ps(v));
-            }
-            const float amax = _mm512_reduce_max_ps(a);
-            xsum[m * ng + gi] = _mm512_reduce_add_ps(s);
-            xd[m * ng + gi] = amax / 127.0f;
-            const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-            for (int64_t k = 0; k < g; k += 16) /* rounded to nearest even, as lrintf */
-                _mm_storeu_si128((__m128i *)(x8 + m * K + gi * g + k),
-                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), inv))));
-        }
-}
+VNNI static void panel8_prep_x(const Job *j, int64_t r0, int64_t r1) { prep_x(j, r0, r1, 1); }
 
 /* Columns n0 .. n0 + PANEL_COLS - 1 of W into the panel: dword (p * 4 + c) * 16 + i holds the
  * weights k = 4p .. 4p + 3 of column n0 + 16 c + i, one byte each; scales and biases as in
@@ -1071,6 +1064,79 @@ static void gdn_part(const Job *j, int64_t u0, int64_t u1) {
                                    d->beta[i], d->y + i * Dv, Dk, Dv);
             src = dst;
         }
+    }
+}
+
+/* ---------------------------------------------------------------- a whole GatedDeltaNet decode step */
+
+/* One decode step (one token per sequence) of a GatedDeltaNet layer from its projections' outputs
+ * to the input of out_proj, in one call: the causal depthwise convolution over the conv state and
+ * the new token, its SiLU, q and k L2-normalised (q scaled by Dk^-1/2, as mlx-lm's normalize_qk),
+ * the gates g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b), the delta rule (as
+ * gdn_token), and the gated RMSNorm rms_norm(y) w silu(z). Writes the new conv state and the new
+ * recurrent state beside y. Units are (sequence, value head) pairs; the q/k channels of a key
+ * head shared by several value heads are convolved by each and stored by the first. */
+typedef struct {
+    const float *qkv, *z, *a, *b, *conv, *w, *A_log, *dt_bias, *state, *norm_w;
+    float *y, *conv_out, *state_out;
+    int64_t Hk, Hv, Dk, Dv, Kc, C;
+    float eps, qk_eps;
+} GdnStep;
+
+static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
+
+/* the convolution of channels c0 .. c0 + n - 1 for sequence bi (the same sum order as
+ * conv_rows), its SiLU into out[0 .. n-1], and (with `store`) the shifted conv state */
+static void gdn_step_conv(const GdnStep *d, int64_t bi, int64_t c0, int64_t n, float *out, int store) {
+    const int64_t K = d->Kc, C = d->C;
+    const float *cs = d->conv + bi * (K - 1) * C, *x = d->qkv + bi * C;
+    float *ns = d->conv_out + bi * (K - 1) * C;
+    for (int64_t c = c0; c < c0 + n; c++) {
+        float acc = (K > 1 ? cs[c] : x[c]) * d->w[c];
+        for (int64_t i = 1; i < K; i++) acc += (i < K - 1 ? cs[i * C + c] : x[c]) * d->w[i * C + c];
+        out[c - c0] = silu1(acc);
+        if (store) {
+            for (int64_t i = 0; i + 1 < K - 1; i++) ns[i * C + c] = cs[(i + 1) * C + c];
+            if (K > 1) ns[(K - 2) * C + c] = x[c];
+        }
+    }
+}
+
+static void gdn_step_part(const Job *j, int64_t u0, int64_t u1) {
+    const GdnStep *d = j->ctx;
+    const int64_t Hk = d->Hk, Hv = d->Hv, Dk = d->Dk, Dv = d->Dv, rep = Hv / Hk;
+    float q[512], k[512], v[512], y[512];
+#ifdef MIXBIT_X86
+    const int simd = have_avx512 && Dk % 16 == 0;
+#endif
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t bi = u / Hv, h = u % Hv, kh = h / rep, first = h % rep == 0;
+        gdn_step_conv(d, bi, kh * Dk, Dk, q, first);
+        gdn_step_conv(d, bi, Hk * Dk + kh * Dk, Dk, k, first);
+        gdn_step_conv(d, bi, 2 * Hk * Dk + h * Dv, Dv, v, 1);
+        const float inv = 1.0f / sqrtf((float)Dk), rms_eps = d->qk_eps * inv * inv;
+        float sq = 0, sk = 0;
+        for (int64_t i = 0; i < Dk; i++) sq += q[i] * q[i], sk += k[i] * k[i];
+        const float fq = inv * inv / sqrtf(sq / Dk + rms_eps), fk = inv / sqrtf(sk / Dk + rms_eps);
+        for (int64_t i = 0; i < Dk; i++) q[i] *= fq, k[i] *= fk;
+        const float x = d->a[bi * Hv + h] + d->dt_bias[h];
+        const float softplus = x > 20.0f ? x : log1pf(expf(x));
+        const float g = expf(-expf(d->A_log[h]) * softplus);
+        const float beta = 1.0f / (1.0f + expf(-d->b[bi * Hv + h]));
+        const float *src = d->state + u * Dv * Dk;
+        float *dst = d->state_out + u * Dv * Dk;
+#ifdef MIXBIT_X86
+        if (simd)
+            gdn_token_avx512(src, dst, q, k, v, g, beta, y, Dk, Dv);
+        else
+#endif
+            gdn_token_portable(src, dst, q, k, v, g, beta, y, Dk, Dv);
+        float ss = 0;
+        for (int64_t r = 0; r < Dv; r++) ss += y[r] * y[r];
+        const float norm = 1.0f / sqrtf(ss / Dv + d->eps);
+        const float *z = d->z + bi * Hv * Dv + h * Dv;
+        float *out = d->y + bi * Hv * Dv + h * Dv;
+        for (int64_t r = 0; r < Dv; r++) out[r] = y[r] * norm * d->norm_w[r] * silu1(z[r]);
     }
 }
 
@@ -1624,6 +1690,35 @@ static PyObject *py_gated_delta_scan(PyObject *self, PyObject *args) {
     return release_bufs(bufs, got);
 }
 
+static PyObject *py_gdn_decode_step(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[13];
+    long long B, Hk, Hv, Dk, Dv, Kc;
+    double eps, qk_eps;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOLLLLLLdd", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10], &objs[11], &objs[12],
+                          &B, &Hk, &Hv, &Dk, &Dv, &Kc, &eps, &qk_eps))
+        return NULL;
+    if (B < 1 || Hk < 1 || Hv < Hk || Hv % Hk || Dk < 1 || Dv < 1 || Dk > 512 || Dv > 512 || Kc < 1)
+        return PyErr_Format(PyExc_ValueError, "bad shape B=%lld Hk=%lld Hv=%lld Dk=%lld Dv=%lld K=%lld", B, Hk,
+                            Hv, Dk, Dv, Kc);
+    const Py_ssize_t C = 2 * Hk * Dk + Hv * Dv, S = B * Hv * Dv * Dk, CS = B * (Kc - 1) * C;
+    const Py_ssize_t sizes[13] = {B * C, B * Hv * Dv, B * Hv, B * Hv, CS, Kc * C, Hv, Hv, S, Dv,
+                                  B * Hv * Dv, CS, S};
+    const char *names[13] = {"qkv", "z", "a", "b", "conv", "w", "A_log", "dt_bias", "state", "norm_w",
+                             "y", "conv_out", "state_out"};
+    Py_buffer bufs[13];
+    /* a kernel of 1 keeps no conv state: its buffers may be empty */
+    const int got = float_bufs(objs, sizes, names, 13, 10, bufs);
+    if (!PyErr_Occurred()) {
+        GdnStep d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf, bufs[6].buf,
+                     bufs[7].buf, bufs[8].buf, bufs[9].buf, bufs[10].buf, bufs[11].buf, bufs[12].buf,
+                     Hk, Hv, Dk, Dv, Kc, C, (float)eps, (float)qk_eps};
+        run_units(&d, gdn_step_part, B * Hv, Dk * Dv, 1);
+    }
+    return release_bufs(bufs, got);
+}
+
 static PyObject *py_depthwise_conv(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *objs[3];
@@ -1722,6 +1817,10 @@ static PyMethodDef methods[] = {
     {"gated_delta_scan", py_gated_delta_scan, METH_VARARGS,
      "gated_delta_scan(q, k, v, g, beta, state, y, state_out, B, T, H, Dk, Dv): the gated delta rule "
      "over T tokens for B sequences of H heads (a decode step is T = 1), float32 buffers."},
+    {"gdn_decode_step", py_gdn_decode_step, METH_VARARGS,
+     "gdn_decode_step(qkv, z, a, b, conv, w, A_log, dt_bias, state, norm_w, y, conv_out, state_out, B, Hk, "
+     "Hv, Dk, Dv, K, eps, qk_eps): one GatedDeltaNet decode step from the projections' outputs to "
+     "out_proj's input (conv + SiLU, q/k normalised, gates, delta rule, gated RMSNorm), float32 buffers."},
     {"depthwise_conv", py_depthwise_conv, METH_VARARGS,
      "depthwise_conv(x, w, y, B, T, K, C): y[b, t, c] = sum_i x[b, t + i, c] w[i, c] (x: B x (T + K - 1) "
      "x C, w: K x C, y: B x T x C), float32 buffers."},
