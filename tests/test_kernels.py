@@ -553,9 +553,10 @@ def test_silu_matches_mlx():
 
 @needs_kernels
 def test_decode_rows_take_their_silus_on_the_kernels(embedded_path, monkeypatch):
-    """A decode step of a packed model: the SiLU after GatedDeltaNet's convolution and the MLP's
-    SiLU of its gate (both projections on the kernels, their outputs evaluated) run on the
-    kernel, one call each per layer, and the logits are MLX's own ops' to rounding."""
+    """A decode step of a packed model: each GatedDeltaNet layer's whole step (conv, SiLUs,
+    gates, recurrence, gated norm) is one kernel call, the MLP's SiLU of its gate (both
+    projections on the kernels, their outputs evaluated) runs on the kernel, and the logits are
+    MLX's own ops' to rounding."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mixbit.models.forward.qwen3_5 import GatedDeltaNet
@@ -571,7 +572,7 @@ def test_decode_rows_take_their_silus_on_the_kernels(embedded_path, monkeypatch)
         cache = make_prompt_cache(model)
         mx.eval(model(prompt, cache=cache))
         if name == "packed":
-            real, calls = kernels._qkernel, []
+            real, calls, steps = kernels._qkernel, [], []
 
             class Counting:
                 def __getattr__(self, attr):
@@ -581,15 +582,17 @@ def test_decode_rows_take_their_silus_on_the_kernels(embedded_path, monkeypatch)
                     calls.append(args[3])
                     return real.silu(*args)
 
+                def gdn_decode_step(self, *args):
+                    steps.append(args[13])  # the batch
+                    return real.gdn_decode_step(*args)
+
             monkeypatch.setattr(kernels, "_qkernel", Counting())
         logits[name] = np.array(model(mx.array([[17]]), cache=cache))
         monkeypatch.undo()
         if name == "packed":
             sizes = packed.args.text_config
             assert calls.count(sizes["intermediate_size"]) == layers  # every MLP
-            conv = 2 * sizes["linear_num_key_heads"] * sizes["linear_key_head_dim"] \
-                + sizes["linear_num_value_heads"] * sizes["linear_value_head_dim"]
-            assert calls.count(conv) == linear  # every GatedDeltaNet conv
+            assert steps == [1] * linear  # every GatedDeltaNet layer: one call for its whole step
     np.testing.assert_allclose(logits["packed"], logits["dense"], rtol=1e-3, atol=1e-3)
 
 
@@ -691,3 +694,40 @@ def test_decode_steps_normalise_on_the_kernels(loaded_tiny, monkeypatch):
     for (t_mlx, lp_mlx), (t_k, lp_k) in zip(mlx_run, kernel_run):
         assert t_mlx == t_k
         np.testing.assert_allclose(np.array(lp_k), np.array(lp_mlx), atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("Hk,Hv,masked", [(2, 2, False), (2, 4, False), (2, 4, True)])
+def test_fused_decode_step_is_the_layers_step(Hk, Hv, masked):
+    """GatedDeltaNet's decode step in one kernel call (kernels.gdn_decode_step) gives the output
+    and the conv and recurrent states of the step-by-step path (conv and SiLU, normalize_qk,
+    gates, the delta rule, the gated norm); a masked row leaves its states as they were."""
+    from mlx_lm.models.cache import ArraysCache
+    from mlx_lm.models.qwen3_5 import TextModelArgs
+
+    from mixbit.models.forward.qwen3_5 import GatedDeltaNet
+
+    args = TextModelArgs(model_type="qwen3_5_text", hidden_size=64, linear_num_key_heads=Hk,
+                         linear_num_value_heads=Hv, linear_key_head_dim=32, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4)
+    mx.random.seed(5)
+    layer = GatedDeltaNet(args)  # MLX's random initialisation; A_log spread over (0, log 16)
+    mx.eval(layer.parameters())
+    prompt, step = mx.random.normal((2, 5, 64)), mx.random.normal((2, 1, 64))
+    mask = mx.array([[True], [False]]) if masked else None
+    outs = {}
+    for fused in (False, True):
+        layer.fused = False
+        cache = ArraysCache(size=2)
+        layer(prompt, cache=cache, phase="prefill")
+        before = [mx.array(c) for c in cache.cache]
+        if fused:
+            layer.fuse()
+        y = layer(step, mask=mask, cache=cache, phase="decode")
+        outs[fused] = (np.array(y), [np.array(c) for c in cache.cache], [np.array(c) for c in before])
+    (y0, s0, _), (y1, s1, before) = outs[False], outs[True]
+    np.testing.assert_allclose(y1, y0, rtol=1e-4, atol=1e-5)
+    for a, b in zip(s1, s0):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    if masked:  # the padded row's recurrent state is the prompt's
+        np.testing.assert_allclose(s1[1][1], before[1][1], rtol=1e-6, atol=1e-7)

@@ -8,7 +8,7 @@ call (PREFILL, DECODE, SCORE, TRAIN) is an argument, passed down to every projec
 
 Where the model runs on the CPU, GatedDeltaNet's recurrence runs on mixbit's kernel (a prompt
 and a decode step: token after token in C, each head's state in cache), or, without the kernels,
-prompts in the chunk-parallel form (models/gated_delta_chunked.py); elsewhere, and for
+prompts in the chunk-parallel form (models/forward/gated_delta_chunked.py); elsewhere, and for
 gradients, on mlx-lm's `gated_delta_update`. With a plan that serves anything packed (real
 sizes), the short convolution and its SiLU, the gated norm's SiLU and the MLP's SwiGLU run on
 the kernels too (MLX's Linux build computes exp one value at a time).
@@ -33,8 +33,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
-from ..gated_delta_chunked import MIN_TOKENS, chunked_gated_delta
-from .layers import (DECODE, PREFILL, TRAIN, PackedEmbedding, PackedLinear, Projection, dense, mlx_quantized,
+from .gated_delta_chunked import MIN_TOKENS, chunked_gated_delta
+from .layers import (TRAIN, PackedEmbedding, PackedLinear, Projection, dense, mlx_quantized,
                      phase_of, project)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -126,6 +126,9 @@ class GatedDeltaNet(nn.Module):
         z = project(self.in_proj_z, inputs, phase).reshape(B, S, self.num_v_heads, self.head_v_dim)
         b = project(self.in_proj_b, inputs, phase)
         a = project(self.in_proj_a, inputs, phase)
+        if self.fused and S == 1 and cache is not None and cache.lengths is None and phase != TRAIN \
+                and not keep_states and self.recurrence == "kernel":
+            return self._decode_step(qkv[:, 0], z, a[:, 0], b[:, 0], mask, cache, phase)
         if cache is not None and cache[0] is not None:
             conv_state = cache[0]
         else:
@@ -177,6 +180,29 @@ class GatedDeltaNet(nn.Module):
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return (out, kept) if keep_states else out
+
+
+    def _decode_step(self, qkv, z, a, b, mask, cache, phase):
+        """A decode step (one token per sequence) in one kernel call from the projections'
+        outputs to out_proj's input (kernels.gdn_decode_step); a masked row (padding) leaves its
+        states as they were, as in the step-by-step path (g = 1, beta = 0, zeros convolved in)."""
+        B = qkv.shape[0]
+        if mask is not None:
+            keep = mask[:, -1:]
+            qkv = mx.where(keep, qkv, 0)
+            a = mx.where(keep, a, -mx.inf)
+            b = mx.where(keep, b, -mx.inf)
+        conv = cache[0] if cache[0] is not None else mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim))
+        state = cache[1] if cache[1] is not None else \
+            mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim))
+        y, cache[0], cache[1] = kernels.gdn_decode_step(
+            qkv, z.reshape(B, -1), a, b, conv, self._conv_w_t, self.A_log, self.dt_bias, state,
+            self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim)
+        cache.advance(1)
+        out = project(self.out_proj, y.reshape(B, 1, -1), phase)
+        if self.sharding_group is not None:
+            out = mx.distributed.all_sum(out, group=self.sharding_group)
+        return out
 
 
 class Attention(nn.Module):
