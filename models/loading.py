@@ -154,17 +154,16 @@ def load_tokenizer(folder, eos_token_ids=None):
     hard-codes Qwen3.5's pre-tokenizer rule over the file's and keeps the Python vocabulary and
     merges it was built from (~130 MB at Qwen3.5's 248k tokens, never read again); the file's
     own tokenizer tokenizes identically on Qwen3.5's checkpoints (tests/test_tokenizer.py)."""
-    import json
-
     from mlx_lm.tokenizer_utils import (BPEStreamingDetokenizer, NaiveStreamingDetokenizer,
                                         TokenizerWrapper)
+    from tokenizers import decoders
     from transformers import PreTrainedTokenizerFast
 
-    folder = Path(folder)
     hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
-    decoder = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("decoder") or {}
-    byte_level = decoder.get("type") == "ByteLevel" or any(
-        d.get("type") == "ByteLevel" for d in decoder.get("decoders", []) if isinstance(d, dict))
+    # Qwen's byte-level BPE decodes with ByteLevel (alone or first in a Sequence)
+    decoder = hf.backend_tokenizer.decoder
+    byte_level = isinstance(decoder, decoders.ByteLevel) or (
+        isinstance(decoder, decoders.Sequence) and "ByteLevel" in str(decoder.__getstate__()))
     if isinstance(eos_token_ids, int):
         eos_token_ids = [eos_token_ids]
     wrapper = TokenizerWrapper(hf, BPEStreamingDetokenizer if byte_level else NaiveStreamingDetokenizer,
@@ -211,20 +210,6 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 8 << 30
-
-
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                enable_thinking: bool = False, add_generation_prompt: bool = True, **kwargs) -> str:
-    """The prompt text through the checkpoint's own chat template (as transformers renders it)."""
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         enable_thinking=enable_thinking, **kwargs)
-
-
-def prompt_opens_think(prompt: str) -> bool:
-    """True when the rendered prompt ends inside an open `<think>` block."""
-    tail = prompt.rstrip()
-    return tail.endswith("<think>")
 
 
 def _dequantize(model) -> None:

@@ -112,3 +112,30 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def weights_digest(folder: Path, cache_root: Path) -> str:
+    """sha256 of the weight files, remembered by (path, size, mtime) so big checkpoints are
+    hashed once, not at every start."""
+    memo_path = cache_root / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        memo = {}
+    files = sorted(folder.glob("*.safetensors"))
+    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    if stamp in memo:
+        return memo[stamp]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(sha256_file(f).encode())
+    memo[stamp] = h.hexdigest()
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    except OSError:  # a read-only cache (replicas mounting what a Job quantized): just compute
+        pass
+    return memo[stamp]

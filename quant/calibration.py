@@ -133,7 +133,7 @@ def for_quantization(resolved, calibration: str | None, cache_root: Path,
         return build(load_tokenizer(resolved.path)[0], n_rows=n_rows, length=length, extra=calibration)
     from mixbit.models.loading import load
 
-    from .variants import weights_digest
+    from .artifact import weights_digest
 
     path = cache_root / "calibration" / f"self-{weights_digest(resolved.path, cache_root)[:16]}-{n_rows}x{length}.json"
     if path.is_file():

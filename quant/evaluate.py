@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from mixbit.models.training import corpus
 from mixbit.models.forward import score
-from mixbit.models.loading import LoadedModel, prompt_opens_think, render_chat
-from mixbit.models.toolcall import leaks_markup, parse_output, parser_for_template
+from mixbit.models.loading import LoadedModel
+from mixbit.models.chat.template import prompt_opens_think, render_chat
+from mixbit.models.chat.toolcall import leaks_markup, parse_output, parser_for_template
 
 
 def _same(a, b) -> bool:
@@ -73,7 +74,7 @@ def tool_grammar_processors(lm: LoadedModel, prompts: list[corpus.ToolPrompt],
                             enable_thinking: bool = False, engine=None) -> list[list]:
     """What the server does under tool_choice auto: calls may only name offered functions, in
     the template's format, arguments following the schema."""
-    from mixbit.models.grammar import GrammarEngine, chat_grammar
+    from mixbit.models.chat.grammar import GrammarEngine, chat_grammar
 
     if engine is None:
         cfg = lm.config.get("text_config", lm.config)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from mixbit.models.toolcall import leaks_markup
+from mixbit.models.chat.toolcall import leaks_markup
 
 from .evaluate import SoakResult, SoakScript
 

@@ -22,6 +22,7 @@ from typing import Callable
 from mixbit.models.registry import ResolvedModel
 
 from . import artifact
+from .artifact import weights_digest
 from .formats import GATE_FORMAT_BITS, Format, is_gate, rows_and_width
 from .progress import Progress, from_callback
 from .recipes import DEFAULT_TARGET_BPW, RECIPES, static_plan
@@ -53,33 +54,6 @@ def code_digest() -> str:
             continue
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
-
-
-def weights_digest(folder: Path, cache_root: Path) -> str:
-    """sha256 of the weight files, remembered by (path, size, mtime) so big checkpoints are
-    hashed once, not at every start."""
-    memo_path = cache_root / "digests.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        memo = {}
-    files = sorted(folder.glob("*.safetensors"))
-    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-    if stamp in memo:
-        return memo[stamp]
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode())
-        h.update(artifact.sha256_file(f).encode())
-    memo[stamp] = h.hexdigest()
-    try:
-        cache_root.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(memo))
-        tmp.replace(memo_path)
-    except OSError:  # a read-only cache (replicas mounting what a Job quantized): just compute
-        pass
-    return memo[stamp]
 
 
 def variant_key(source_digest: str, recipe: str, target_bpw: float | None, calibration: str) -> str:

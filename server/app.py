@@ -1,57 +1,36 @@
-"""The FastAPI app: start-up (resolve, quantize, load; distributed followers), readiness, auth
-and limits, the routes. Planning lives in planning.py, running and response shapes in serving.py."""
+"""The FastAPI app: start-up (resolve, quantize, load; distributed followers), middleware and
+limits, and the routers of server/routes (one per API; what they share is in deps.py).
+Planning lives in planning.py, running and response shapes in serving.py."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import re
 import threading
 import time
-from pathlib import Path
 from contextlib import asynccontextmanager
+from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from sse_starlette.sse import EventSourceResponse
 
 from mixbit.models.blas import release_free_memory
-from mixbit.models.grammar import GrammarEngine
+from mixbit.models.chat.grammar import GrammarEngine
 from mixbit.models.loading import load
 from mixbit.models.registry import ModelSourceError, resolve
 from mixbit.quant.progress import Progress
 from mixbit.quant.variants import ensure_variant
 
-from . import anthropic, errors
+from . import errors
 from .engine import Engine
-from .errors import APIError
-from .fidelity import FidelityWorker, LocalReference, RemoteReference, score_top
+from .fidelity import FidelityWorker, LocalReference, RemoteReference
 from .metrics import Metrics
 from .middleware import CatchAll, CheckBody, CountRequests
-from .planning import chat_plan, completion_plans, reject_unsupported, render_prompt
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ScoreRequest
-from .responses import ResponseBuilder, ResponsesRequest, chat_body, responses_param, usage_of
-from .serving import (account, collect, release, run_plan, start_choices, stream_message,
-                      stream_response)
+from .routes import ROUTERS
 from .settings import Settings
 from .state import ServerState
 
 log = logging.getLogger("mixbit.server")
-_THREAD = threading.local()
-
-
-def _mlx_call(fn, *args):
-    """Runs MLX work from a worker thread on that thread's own stream."""
-    import mlx.core as mx
-
-    stream = getattr(_THREAD, "stream", None)
-    if stream is None:
-        stream = _THREAD.stream = mx.new_stream(mx.default_device())
-    with mx.stream(stream):
-        return fn(*args)
 
 
 def served_name(settings: Settings, resolved) -> str:
@@ -319,7 +298,7 @@ def _fidelity_worker(state: ServerState, resolved) -> FidelityWorker | None:
             reference = LocalReference(lambda: served.lm.model, f"the served {served.variant} model")
         else:
             dtype = state.settings.generation.compute_dtype
-            reference = LocalReference(lambda: load(source, dtype).model,
+            reference = LocalReference(lambda: load(source, dtype, plan_dir=plan_dir(state.settings)).model,
                                        f"{getattr(source, 'source', ref)} (unquantized, in process)")
             need = 2 * _weights_bytes(folder) if folder else 0  # bf16 files, float32 on CPU
             if f.reference_max_bytes and need > f.reference_max_bytes:
@@ -368,242 +347,8 @@ def create_app(settings: Settings, *, load_model: bool = True, group=None) -> Fa
     app.add_middleware(CatchAll)
     app.add_middleware(CheckBody, limit=settings.server.max_body_bytes)
     app.add_middleware(CountRequests, metrics=state.metrics)
-    keys = [k.encode() for k in settings.server.api_keys]
-
-    async def auth(request: Request) -> bool:
-        """True when the request carried a valid key; False when the server has no keys."""
-        if not keys:
-            return False
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not supplied:  # Anthropic's clients send the key as x-api-key
-            supplied = request.headers.get("x-api-key", "").strip().encode()
-        # compare against every key, in constant time, so timing says nothing about them
-        ok = False
-        for k in keys:
-            ok |= hmac.compare_digest(supplied, k)
-        if not ok:
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
-                           "(or 'x-api-key: <key>')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        return True
-
-    def ready_state() -> ServerState:
-        if state.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down",
-                           headers={"Retry-After": "5"})
-        if not state.ready:
-            if state.status == "failed":
-                raise APIError(503, f"the model failed to load: {state.detail}", code="model_failed")
-            raise APIError(503, f"the model is not ready yet ({state.detail or state.status})",
-                           code="model_not_ready", headers={"Retry-After": "2"})
-        return state
-
-    def pick(name: str | None) -> ServerState:
-        """The served variant a request names (`<name>:<variant>`, or the bare name: the first);
-        none named: the first."""
-        st = ready_state()
-        if name is None:
-            return st.variants[0]
-        found = st.aliases.get(name)
-        if found is None:
-            served = ", ".join(f"'{v.served_id}'" for v in st.variants)
-            raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
-                           "(see GET /v1/models)", param="model", code="model_not_found")
-        return found
-
-    @app.get("/health")
-    async def health():
-        failed = [v.served_id for v in state.variants if not v.engine.alive]
-        if failed:
-            return JSONResponse({"status": "engine failed", "models": failed}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready():
-        body = {"status": state.status, "detail": state.detail,
-                "uptime_s": round(time.time() - state.started, 1)}
-        if state.startup is not None:  # stage, step k of n, ETA of the stage
-            body["progress"] = state.startup.snapshot().as_dict()
-        if state.variants:  # each variant's engine, and their sum
-            engines = {v.served_id: {"running": v.engine.stats.running, "waiting": v.engine.stats.waiting,
-                                     "in_flight": v.inflight,
-                                     "prefix_cache_bytes": v.engine.stats.prefix_cache_bytes}
-                       for v in state.variants}
-            body["engine"] = {k: sum(e[k] for e in engines.values()) for k in next(iter(engines.values()))}
-            body["engines"] = engines
-        if state.ready:
-            return body
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
-
-    @app.get("/v1/models")
-    async def models(authenticated: bool = Depends(auth)) -> ModelList:
-        return ModelList(data=[_card(v, authenticated) for v in ready_state().variants])
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, authenticated: bool = Depends(auth)) -> ModelCard:
-        return _card(pick(model_id), authenticated)
-
-    def admit(req) -> ServerState:
-        """The checks every generation request passes before any work is done; the variant."""
-        st = pick(req.model)
-        reject_unsupported(req)
-        return st
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        st = admit(req)
-        plan = chat_plan(st, req)
-        return await run_plan(st, request, plan, req.n, req.stream,
-                          req.stream_options.include_usage if req.stream_options else False)
-
-    metrics_deps = [Depends(auth)] if settings.server.metrics_auth else []
-
-    @app.get("/metrics", dependencies=metrics_deps)
-    async def metrics():
-        from fastapi.responses import Response
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/fidelity", dependencies=[Depends(auth)])
-    async def fidelity(limit: int = 50, variant: str | None = None):
-        st = ready_state()
-        labels = [v.variant for v in st.variants]
-        if variant is not None and variant not in labels:
-            raise APIError(404, f"no served variant '{variant}'; served: {', '.join(labels)}",
-                           param="variant", code="variant_not_found")
-        if st.fidelity is None:
-            return {"enabled": False, "variants": labels, "checks": []}
-        return {"enabled": True, "variants": labels, **st.fidelity.view(max(1, min(limit, 1000)), variant)}
-
-    @app.post("/v1/score", dependencies=[Depends(auth)])
-    async def score(body: ScoreRequest):
-        """Teacher-forced top-k log-probabilities (what a remote fidelity reference answers)."""
-        st = pick(body.model or None)
-        if st.group is not None and st.group.size() > 1:
-            raise APIError(400, "scoring is not available on a distributed (sharded) server",
-                           code="unsupported_in_distributed")
-        vocab = len(st.lm.hf_tokenizer)
-        if not 1 <= body.start < len(body.tokens) or any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"tokens must be ids in [0, {vocab}) and 1 <= start < len(tokens)",
-                           param="tokens", code="invalid_value")
-        if len(body.tokens) > st.context_length:
-            raise APIError(400, f"at most {st.context_length} tokens", param="tokens",
-                           code="context_length_exceeded")
-        top = await asyncio.to_thread(_mlx_call, score_top, st.lm.model, body.tokens, body.start,
-                                      body.top_k)
-        return {"object": "score", "model": st.served_id, "start": body.start, "top_logprobs": top}
-
-    @app.post("/v1/responses", dependencies=[Depends(auth)])
-    async def responses(req: ResponsesRequest, request: Request):
-        st = pick(req.model)
-        history: list[dict] = []
-        if req.previous_response_id:
-            found = st.responses.get(req.previous_response_id)
-            if found is None:
-                raise APIError(404, f"no stored response {req.previous_response_id!r} (this server "
-                               f"keeps the last {st.responses.capacity}, in memory)",
-                               param="previous_response_id", code="response_not_found")
-            history = found
-        body = chat_body(req, history)
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = responses_param(errors.param_of(first["loc"]))
-            msg = first["msg"].removeprefix("Value error, ")
-            raise APIError(400, f"{param}: {msg}", param=param, code="invalid_value") from None
-        try:
-            plan = chat_plan(st, chat)
-        except APIError as exc:  # named as the Responses request names its fields
-            exc.param = responses_param(exc.param) if exc.param else exc.param
-            raise
-        plan.endpoint = "/v1/responses"
-        (choice,) = start_choices(st, plan, 1)
-        builder = ResponseBuilder(req, st.served_id)
-        # what a continuation sees: the messages without this request's instructions
-        conversation = body["messages"][1:] if req.instructions else body["messages"]
-        if req.stream:
-            return EventSourceResponse(stream_response(st, request, plan, choice, builder,
-                                                        conversation), ping=15, send_timeout=30)
-        try:
-            await collect(request, st, [choice])
-        finally:
-            release(st, [choice])
-        events = choice.feed(choice.text, final=True)
-        builder.feed(events, plan.parallel)
-        builder.finish(choice.finish.reason if choice.finish else "stop", usage_of(choice.finish))
-        account(st, plan, [choice], builder.id)
-        if req.store:
-            st.responses.put(builder.id, conversation + builder.messages())
-        return builder.response("incomplete" if choice.finish and choice.finish.reason == "length"
-                                else "completed", usage_of(choice.finish),
-                                "max_output_tokens" if choice.finish and choice.finish.reason == "length"
-                                else None)
-
-    def messages_chat(req: anthropic.CountTokensRequest):
-        """A Messages request as the chat request it maps onto, with its thinking budget."""
-        st = pick(req.model)
-        think_end = tuple(st.lm.tokenizer.encode("</think>", add_special_tokens=False))
-        body, budget = anthropic.chat_body(req, think_end)
-        try:
-            return st, ChatCompletionRequest.model_validate(body), budget, think_end
-        except ValidationError as exc:
-            raise errors.validation_error(exc) from None
-
-    @app.post("/v1/messages", dependencies=[Depends(auth)])
-    async def messages(req: anthropic.MessagesRequest, request: Request):
-        st, chat, budget, think_end = messages_chat(req)
-        try:
-            plan = chat_plan(st, chat, fit_max_tokens=True)
-        except APIError as exc:
-            if exc.code == "context_length_exceeded":  # the words Claude Code looks for
-                exc.message = f"prompt is too long: {exc.message}"
-            raise
-        plan.endpoint = "/v1/messages"
-        if budget:
-            plan.params.think_budget, plan.params.think_end = budget, think_end
-        (choice,) = start_choices(st, plan, 1)
-        builder = anthropic.MessageBuilder(st.served_id, len(plan.prompt_ids), plan.parallel)
-        if req.stream:
-            return EventSourceResponse(stream_message(st, request, plan, choice, builder),
-                                       ping=15, send_timeout=30)
-        try:
-            await collect(request, st, [choice])
-        finally:
-            release(st, [choice])
-        builder.feed(choice.feed(choice.text, final=True))
-        builder.finish(choice.finish)
-        account(st, plan, [choice], builder.id)
-        return builder.final
-
-    @app.post("/v1/messages/count_tokens", dependencies=[Depends(auth)])
-    async def count_tokens(req: anthropic.CountTokensRequest):
-        st, chat, _, _ = messages_chat(req)
-        _, ids, _ = render_prompt(st, chat)
-        return {"input_tokens": len(ids)}
-
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
-    async def completions(req: CompletionRequest, request: Request):
-        st = admit(req)
-        plans = completion_plans(st, req)
-        if req.stream and len(plans) > 1:
-            raise APIError(400, "streaming accepts one prompt per request", param="prompt")
-        if len(plans) == 1:
-            return await run_plan(st, request, plans[0], req.n, req.stream,
-                              req.stream_options.include_usage if req.stream_options else False)
-        results = [await run_plan(st, request, p, req.n, False, False, index_base=i * req.n)
-                   for i, p in enumerate(plans)]
-        merged = results[0]
-        for r in results[1:]:
-            merged.choices += r.choices
-            merged.usage.prompt_tokens += r.usage.prompt_tokens
-            merged.usage.completion_tokens += r.usage.completion_tokens
-            merged.usage.total_tokens += r.usage.total_tokens
-        return merged
-
+    for router in ROUTERS:
+        app.include_router(router)
     return app
 
 
@@ -614,25 +359,3 @@ def _version() -> str:
         return version("mixbit")
     except PackageNotFoundError:
         return "0"
-
-
-def _is_local_path(value: str) -> bool:
-    return value.startswith(("/", "~", "./", "../", "file:")) or re.match(r"^[A-Za-z]:[\\/]", value) is not None
-
-
-def without_local_paths(value):
-    """Provenance as an unauthenticated client may see it: local paths (the cache, a local
-    source folder, a calibration file) replaced by a placeholder."""
-    if isinstance(value, dict):
-        return {k: without_local_paths(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [without_local_paths(v) for v in value]
-    if isinstance(value, str) and _is_local_path(value):
-        return "<local path>"
-    return value
-
-
-def _card(st: ServerState, authenticated: bool) -> ModelCard:
-    """Local paths only for a request that presented a valid API key."""
-    provenance = st.provenance if authenticated else without_local_paths(st.provenance)
-    return ModelCard(id=st.served_id, created=st.created, max_model_len=st.context_length, mixbit=provenance)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import TokenBuffer

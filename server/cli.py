@@ -97,8 +97,8 @@ def cmd_chat(args) -> int:
     import mlx.core as mx
     from mlx_lm import generate
 
-    from mixbit.models.loading import prompt_opens_think, render_chat
-    from mixbit.models.toolcall import parse_output, parser_for_template
+    from mixbit.models.chat.template import prompt_opens_think, render_chat
+    from mixbit.models.chat.toolcall import parse_output, parser_for_template
 
     settings = _settings(args, GEN_FLAGS)
     tools = None

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from mixbit.models.forward import score
-from mixbit.models.grammar import GrammarReplay
+from mixbit.models.chat.grammar import GrammarReplay
 
 log = logging.getLogger("mixbit.fidelity")
 

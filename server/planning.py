@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mixbit.models.grammar import CompiledGrammar, GrammarError, chat_grammar
-from mixbit.models.loading import prompt_opens_think, render_chat
-from mixbit.models.toolcall import parser_for_template
+from mixbit.models.chat.grammar import CompiledGrammar, GrammarError, chat_grammar
+from mixbit.models.chat.template import prompt_opens_think, render_chat
+from mixbit.models.chat.toolcall import parser_for_template
 
 from .errors import APIError
 from .middleware import reject_invalid_unicode

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
-from mixbit.models.toolcall import StreamingOutputParser, leaks_markup, parser_for_template
+from mixbit.models.chat.toolcall import StreamingOutputParser, leaks_markup, parser_for_template
 
 from . import errors
 from .engine import FinishEvent, TokenEvent, async_emitter

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixbit.models.grammar import GrammarEngine
+from mixbit.models.chat.grammar import GrammarEngine
 from mixbit.models.loading import LoadedModel
 from mixbit.quant.progress import Progress
 

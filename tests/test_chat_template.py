@@ -93,6 +93,6 @@ def test_think_in_content_is_split_into_reasoning(tok):
 
 
 def test_template_is_the_one_shipped_with_the_code(embedded_path):
-    from mixbit.models.tokenizer import CHAT_TEMPLATE_PATH
+    from mixbit.models.training.tokenizer import CHAT_TEMPLATE_PATH
 
     assert (embedded_path / "chat_template.jinja").read_text() == CHAT_TEMPLATE_PATH.read_text()

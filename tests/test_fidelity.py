@@ -104,8 +104,8 @@ def test_constrained_output_compared_over_what_the_grammar_allowed(loaded_tiny):
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from mixbit.models.grammar import GrammarEngine, json_grammar
-    from mixbit.models.loading import render_chat
+    from mixbit.models.chat.grammar import GrammarEngine, json_grammar
+    from mixbit.models.chat.template import render_chat
 
     cfg = loaded_tiny.config.get("text_config", loaded_tiny.config)
     engine = GrammarEngine(loaded_tiny.tokenizer._tokenizer, cfg["vocab_size"],

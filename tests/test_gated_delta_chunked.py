@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
-from mixbit.models.gated_delta_chunked import chunked_gated_delta
+from mixbit.models.forward.gated_delta_chunked import chunked_gated_delta
 
 
 def inputs(B, T, Hk, Hv, Dk, Dv, seed=0):

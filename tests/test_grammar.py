@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 from mlx_lm.generate import stream_generate
 
-from mixbit.models.loading import render_chat
-from mixbit.models.toolcall import XmlToolParser, parse_output
-from mixbit.models.grammar import (GrammarEngine, GrammarError, chat_grammar, json_grammar,
+from mixbit.models.chat.template import render_chat
+from mixbit.models.chat.toolcall import XmlToolParser, parse_output
+from mixbit.models.chat.grammar import (GrammarEngine, GrammarError, chat_grammar, json_grammar,
                                    strictify, tool_call_grammar)
 from mixbit.server.sampling import SamplingParams, make_sampler
 
@@ -147,7 +147,7 @@ def test_grammar_engine_shares_the_models_tokenizer(loaded_tiny, vocabulary):
 
     import llguidance.hf
 
-    from mixbit.models.grammar import _byte_level, _shared_tokenizer
+    from mixbit.models.chat.grammar import _byte_level, _shared_tokenizer
     from mixbit.server.metrics import _rss_bytes as _rss
 
     if vocabulary == "embedded":

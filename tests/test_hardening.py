@@ -31,7 +31,7 @@ def engine(loaded_tiny):
 
 
 def _prompt(lm, text="Count from 1 to 20."):
-    from mixbit.models.loading import render_chat
+    from mixbit.models.chat.template import render_chat
 
     return lm.tokenizer.encode(render_chat(lm.tokenizer, ask(text), None), add_special_tokens=False)
 

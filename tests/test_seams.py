@@ -17,7 +17,7 @@ PRODUCT = ("server", "quant", "models")
 OWN = ("mixbit", ".")  # imports from these are mixbit's own modules
 # Thread-locals that hold per-thread resources, never read to decide what to compute: output
 # buffers the kernels reuse, and the MLX stream of each worker thread (MLX streams are per thread).
-THREAD_LOCALS = {("models/kernels/__init__.py", "_scratch"), ("server/app.py", "_THREAD")}
+THREAD_LOCALS = {("models/kernels/__init__.py", "_scratch"), ("server/deps.py", "_THREAD")}
 
 
 def _files():

@@ -2,7 +2,7 @@
 
 transformers forces its Qwen3_5Tokenizer (with Qwen's own pre-tokenizer) on every qwen3_5
 checkpoint, and mlx-lm loads through transformers; the embedded tokenizer is built so that this
-changes nothing (see models/tokenizer.py).
+changes nothing (see models/training/tokenizer.py).
 """
 
 import random
@@ -64,7 +64,8 @@ def test_the_served_tokenizer_keeps_no_build_copies_and_tokenizes_the_same(embed
     tokenizer over the Rust one), without the Python vocabulary and merges AutoTokenizer's
     Qwen3_5Tokenizer keeps after building it (~130 MB at Qwen3.5's vocabulary): ids, decoding,
     the chat template and saving are those of the other loaders."""
-    from mixbit.models.loading import load, render_chat
+    from mixbit.models.loading import load
+    from mixbit.models.chat.template import render_chat
     from mixbit.models.registry import resolve
     from transformers import AutoTokenizer
 

@@ -3,7 +3,7 @@
 import json
 
 from mixbit.models.training.catalogue import FUNCTIONS_BY_NAME
-from mixbit.models.toolcall import (JsonToolParser, XmlToolParser, convert_value, parse_output,
+from mixbit.models.chat.toolcall import (JsonToolParser, XmlToolParser, convert_value, parse_output,
                                     parser_for_template)
 
 XML = XmlToolParser()
@@ -85,7 +85,7 @@ def test_convert_value():
 
 
 def stream_all(text, tools=TOOLS, opened=False, step=1):
-    from mixbit.models.toolcall import StreamingOutputParser
+    from mixbit.models.chat.toolcall import StreamingOutputParser
 
     sp = StreamingOutputParser(XML, tools, opened)
     events = []
@@ -124,7 +124,7 @@ def test_streaming_equals_whole_text_at_every_split():
 
 def test_call_name_is_announced_before_its_arguments():
     text = call("get_weather", city="Oslo")
-    from mixbit.models.toolcall import StreamingOutputParser
+    from mixbit.models.chat.toolcall import StreamingOutputParser
 
     sp = StreamingOutputParser(XML, TOOLS, False)
     first = sp.feed(text[: text.index("<parameter")])

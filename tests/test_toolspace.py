@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mixbit.models.toolcall import parse_output, parser_for_template
+from mixbit.models.chat.toolcall import parse_output, parser_for_template
 from mixbit.models.training import corpus
 from mixbit.models.training import toolspace as T
 

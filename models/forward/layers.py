@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..kernels import FLOAT, PANEL, PANEL8
+from ..kernels import PANEL, PANEL8
 
 PREFILL, DECODE, SCORE, TRAIN = "prefill", "decode", "score", "train"
 PHASES = (PREFILL, DECODE, SCORE, TRAIN)

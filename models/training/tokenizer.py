@@ -29,7 +29,7 @@ ADDED_TOKENS = [
     ("<think>", False), ("</think>", False), ("<tool_call>", False), ("</tool_call>", False),
     ("<tool_response>", False), ("</tool_response>", False),
 ]
-CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
+CHAT_TEMPLATE_PATH = Path(__file__).parents[1] / "chat" / "chat_template.jinja"
 
 
 def _pre_tokenizer(regex: str):

@@ -225,7 +225,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def ensure_tokenizer(cfg: TrainConfig, work: Path):
     from transformers import AutoTokenizer
 
-    from ..tokenizer import build_tokenizer, write_tokenizer_files
+    from .tokenizer import build_tokenizer, write_tokenizer_files
 
     tok_dir = work / "tokenizer"
     if cfg.init_from and not (tok_dir / "tokenizer.json").exists():
@@ -238,7 +238,7 @@ def ensure_tokenizer(cfg: TrainConfig, work: Path):
         rng = random.Random(cfg.seed + 77)
         mix = mixes(cfg, cfg.tokenizer_mix or cfg.mix)[0]
         docs = [corpus.document(rng, mix) for _ in range(cfg.tokenizer_docs)]
-        template = (Path(__file__).parents[1] / "chat_template.jinja").read_text()
+        template = (Path(__file__).parents[1] / "chat" / "chat_template.jinja").read_text()
         # render with a throwaway byte-level tokenizer: the template needs a tokenizer object
         from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
 

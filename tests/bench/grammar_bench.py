@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mixbit.models.grammar import (GrammarEngine, _apply_mask, chat_grammar,  # noqa: E402
+from mixbit.models.chat.grammar import (GrammarEngine, _apply_mask, chat_grammar,  # noqa: E402
                                    json_grammar)
 
 TOOLS = [
@@ -166,7 +166,8 @@ def mask_apply_rows(vocab):
 
 
 def decode_overhead(batch: int, tokens: int = 128):
-    from mixbit.models.loading import load, render_chat
+    from mixbit.models.loading import load
+    from mixbit.models.chat.template import render_chat
     from mixbit.models.registry import resolve
     from mixbit.server.engine import Engine, FinishEvent, async_emitter
     from mixbit.server.sampling import SamplingParams

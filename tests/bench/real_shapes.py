@@ -53,7 +53,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "models" / "tiny-qwen3.5"
-CHAT_TEMPLATE = ROOT / "models" / "chat_template.jinja"
+CHAT_TEMPLATE = ROOT / "models" / "chat" / "chat_template.jinja"
 QWEN_VOCAB = 248320  # Qwen3.5's embedding rows; shapes with another vocab use the embedded tokenizer
 CHUNK = 1 << 22  # values generated per step
 
