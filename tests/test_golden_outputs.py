@@ -25,10 +25,11 @@ MODEL = "tiny-qwen3.5"
 FIXTURE = ROOT / "tests" / "fixtures" / "golden_outputs.json"
 RECORD = os.environ.get("MIXBIT_RECORD_GOLDEN") == "1"
 LOGPROB_TOL = 1e-4
-# bf16 as served by default; uniform-4 on the packed kernels (the output head), float32
-# activations, so its plan does not depend on timing
+# bf16 and uniform-4 on the packed kernels (the output head, and so GatedDeltaNet's fused decode
+# step), float32 activations: a rule plan, which does not depend on timing
 VARIANTS = {
-    "bf16": dict(recipe="bf16", settings=()),
+    "bf16": dict(recipe="bf16", settings=('generation.cpu_quantized="packed"',
+                                          'generation.cpu_activations="float32"')),
     "uniform-4": dict(recipe="uniform-4", settings=('generation.cpu_quantized="packed"',
                                                     'generation.cpu_activations="float32"')),
 }
