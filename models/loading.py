@@ -1,4 +1,5 @@
-"""Loading a resolved checkpoint with mlx-lm's own loader, in the compute dtype for the backend.
+"""Loading a resolved checkpoint through mlx-lm's public loader into mixbit's forward
+(models/forward), built from its CPU plan, in the compute dtype for the backend; and its tokenizer.
 
 On CPU, MLX runs float32 far faster than bfloat16 (quantized_matmul with bf16 activations was
 ~10x slower than with fp32 activations and scales; see shared/scoping-facts.md and

@@ -1,4 +1,5 @@
-"""The engine: one thread that owns the model and runs mlx-lm's continuous-batching generator.
+"""The engine: one thread that owns the model and runs mixbit's continuous-batching decode loop
+(batching.py).
 
 Requests join between decode steps, each with its own sampler and logits processors; prompts are
 prefilled in chunks so running streams keep flowing; finished and half-finished prompts are kept
@@ -136,15 +137,13 @@ class _ChatMarks:
     ids, so every rank of a distributed engine finds the same ones."""
 
     def __init__(self, tokenizer):
-        vocab = tokenizer  # mlx-lm's TokenizerWrapper forwards encode to the tokenizer it wraps
-
         def one(text: str) -> int | None:
-            ids = vocab.encode(text, add_special_tokens=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
             return ids[0] if len(ids) == 1 else None
 
         self.start = one("<|im_start|>")
         self.think = one("<think>")
-        self.system = vocab.encode("<|im_start|>system", add_special_tokens=False) \
+        self.system = tokenizer.encode("<|im_start|>system", add_special_tokens=False) \
             if self.start is not None else []
 
     def checkpoints(self, prompt: list[int]) -> list[tuple[int, str]]:
@@ -213,6 +212,7 @@ def step_buffer_bytes(model, batch: int) -> int:
 # the logprob reported for a token a grammar, a logit bias or top-k/top-p ruled out (-inf):
 # OpenAI's own value for it, since JSON has no infinities
 MIN_LOGPROB = -9999.0
+
 
 def keep_step_buffers(model, batch: int) -> int:
     """Raises MLX's buffer cache limit (process-wide, never lowered) to eight times the

@@ -5,7 +5,6 @@ the dense model gives."""
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import pytest

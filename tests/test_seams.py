@@ -7,7 +7,6 @@ seam anywhere in server/, quant/ or models/ fails here, whether or not a test ru
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
