@@ -214,22 +214,13 @@ def _physical_memory() -> int:
 
 
 def _dequantize(model) -> None:
-    import mlx.core as mx
+    """Every quantized layer of `model` (any model type) made dense with its dequantized weight."""
     import mlx.nn as nn
     from mlx.utils import tree_unflatten
 
-    swaps = []
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size,
-                              bits=m.bits, mode=getattr(m, "mode", "affine"))
-            if isinstance(m, nn.QuantizedLinear):
-                dense = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-                if "bias" in m:
-                    dense.bias = m.bias
-            else:
-                dense = nn.Embedding(w.shape[0], w.shape[1])
-            dense.weight = w
-            swaps.append((path, dense))
+    from .forward.layers import dense
+
+    swaps = [(path, dense(m)) for path, m in model.named_modules()
+             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     if swaps:
         model.update_modules(tree_unflatten(swaps))

@@ -160,6 +160,18 @@ class PackedEmbedding(nn.Module, _Packed):
         return self.matmul(x, phase_of(x, phase))
 
 
+def _through_dense(layer, x) -> bool:
+    return mx.default_device() == mx.cpu and rows(x) >= layer.dense_rows
+
+
+def _dequantized_matmul(layer, x):
+    """x @ W^T through a transient dequantized copy of MLX's quantized `layer` (what its
+    quantized_matmul computes)."""
+    w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), group_size=layer.group_size,
+                      bits=layer.bits, mode=layer.mode)
+    return mx.matmul(x, w.T)
+
+
 class MlxQuantizedLinear(nn.QuantizedLinear, Projection):
     """Packed weights on MLX's own quantized kernels (no mixbit kernels here), with calls of
     `dense_rows` rows and more (prompts) through a transient dequantized weight: MLX's CPU
@@ -168,10 +180,8 @@ class MlxQuantizedLinear(nn.QuantizedLinear, Projection):
     dense_rows = 16
 
     def __call__(self, x, phase: str | None = None):
-        if mx.default_device() == mx.cpu and rows(x) >= self.dense_rows:
-            w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                              bits=self.bits, mode=self.mode)
-            y = mx.matmul(x, w.T)
+        if _through_dense(self, x):
+            y = _dequantized_matmul(self, x)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 
@@ -180,11 +190,7 @@ class MlxQuantizedEmbedding(nn.QuantizedEmbedding, Projection):
     dense_rows = 16
 
     def as_linear(self, x, phase: str | None = None):
-        if mx.default_device() == mx.cpu and rows(x) >= self.dense_rows:
-            w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                              bits=self.bits, mode=self.mode)
-            return mx.matmul(x, w.T)
-        return super().as_linear(x)
+        return _dequantized_matmul(self, x) if _through_dense(self, x) else super().as_linear(x)
 
 
 def _copy_into(target: nn.Module, source: nn.Module) -> nn.Module:
@@ -212,10 +218,9 @@ def mlx_quantized(source):
 def dense(source, dtype=None):
     """A dense float projection (DenseLinear, or MLX's Embedding for a table: its as_linear
     takes no phase and needs none) with the weight `source` computes (dequantized if packed)."""
-    if isinstance(source, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        w = mx.dequantize(source["weight"], source["scales"].astype(mx.float32),
-                          source["biases"].astype(mx.float32) if source.get("biases") is not None else None,
-                          group_size=source.group_size, bits=source.bits, mode=getattr(source, "mode", "affine"))
+    if isinstance(source, (nn.QuantizedLinear, nn.QuantizedEmbedding)):  # scales as loaded (the compute dtype)
+        w = mx.dequantize(source["weight"], source["scales"], source.get("biases"), group_size=source.group_size,
+                          bits=source.bits, mode=getattr(source, "mode", "affine"))
     else:
         w = source["weight"]
     if dtype is not None:

@@ -598,16 +598,11 @@ def build(model: Model, plan=None, *, mlx_quantized_prompts: bool = False, dtype
     from .plan import candidates, shape_key
 
     counts = {"packed": 0, "dense": 0}
-    packed_paths = {}
-    if plan is not None:
-        packed_paths = {path: kind for path, _, kind in candidates(model, plan.small)}
+    packed_paths = {path for path, _, _ in candidates(model, plan.small)} if plan is not None else set()
     swaps = []
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)) \
-                or isinstance(module, Projection):
-            continue
         if type(module) not in (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding):
-            continue  # sharded layers and others keep their own computation
+            continue  # already mixbit's, sharded layers, and others keep their own computation
         sp = plan.for_shape(shape_key(module)) if path in packed_paths else None
         if sp is not None and sp.runs == "packed":
             head = path.endswith("lm_head")
