@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .middleware import CatchAll, CheckBody, CountRequests
 from .routes import ROUTERS
 from .settings import Settings
+from .speculative import Speculation
 from .state import ServerState
 
 log = logging.getLogger("mixbit.server")
@@ -90,6 +91,23 @@ def follow(settings: Settings, group) -> int:
     engine.run_follower()
     log.info("rank %d: rank 0 stopped; exiting", group.rank())
     return 0
+
+
+def speculation(s) -> Speculation | None:
+    """`generation.mtp*`: drafting with the checkpoint's MTP head (server/speculative.py)."""
+    g = s.generation
+    return Speculation(drafts=g.mtp_drafts) if g.mtp else None
+
+
+def speculative_card(engine: Engine, model) -> dict:
+    """What /v1/models says of drafting: on (the MTP head drafts `drafts` tokens a step while one
+    sequence decodes), or off and why."""
+    if getattr(model, "mtp", None) is None:
+        return {"method": None, "reason": "the checkpoint has no MTP head"}
+    if engine.speculate is None:
+        return {"method": None, "reason": "generation.mtp is off" if engine.group is None
+                else "not across distributed ranks"}
+    return {"method": "mtp", "drafts": engine.speculate.drafts, "max_batch": 1}
 
 
 class StartupRefused(RuntimeError):
@@ -200,7 +218,9 @@ def start_loading(state: ServerState) -> threading.Thread:
                                   prefill_tokens=s.server.prefill_tokens,
                                   cache_entries=s.server.prefix_cache_entries,
                                   cache_bytes=s.server.prefix_cache_bytes, model_key=served_id,
-                                  on_token_gap=itl, group=state.group, grammar_engine=grammar)
+                                  on_token_gap=itl, group=state.group, grammar_engine=grammar,
+                                  speculate=speculation(s))
+                v.provenance["speculative"] = speculative_card(v.engine, lm.model)
                 v.engine.start()
                 if state.metrics is not None:
                     state.metrics.set_variant(v.variant, v.provenance)

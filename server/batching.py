@@ -24,13 +24,11 @@ from mlx_lm.generate import TokenBuffer
 
 from ..models import kernels
 from ..models.forward import DECODE, PREFILL
+from .sampling import greedy
+from .speculative import SpecCounters, Speculation, accept
 
 MIN_PREFILL_STEP = 16  # prompt tokens per prompt and round, however many prompts share it
 CLEAR_EVERY = 512  # decode steps between returns of MLX's buffer cache (as mlx-lm does)
-
-
-def greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 @dataclass
@@ -62,6 +60,8 @@ class _Seq:
     sampler: Callable
     processors: tuple
     generated: int = 0
+    draws: object = None  # the sampler the speculative step draws through (None: not sampled)
+    lag: tuple | None = None  # (kept drafts, the hidden states before them) the MTP head owes
 
 
 def _merge(caches: list[list]) -> list:
@@ -86,8 +86,19 @@ def _filter(cache: list, keep: list[int]) -> list:
 
 class BatchLoop:
     def __init__(self, model, *, stop_tokens, max_batch: int = 16, prefill_batch: int = 8,
-                 prefill_tokens: int = 512, min_prefill_step: int = MIN_PREFILL_STEP):
+                 prefill_tokens: int = 512, min_prefill_step: int = MIN_PREFILL_STEP,
+                 speculate: Speculation | None = None, counters: SpecCounters | None = None,
+                 replay: Callable | None = None):
         self.model = model
+        # drafting with the model's MTP head (server/speculative.py): every sequence's cache
+        # then carries the head's caches, kept in step by every prefill round and decode step
+        self.spec = speculate if speculate is not None and speculate.drafts > 0 \
+            and getattr(model, "mtp", None) is not None else None
+        self.spec_counters = counters if counters is not None else SpecCounters()
+        # benchmarks only (tests/bench/mtp_bench.py, never served): replay(uid, generated, k)
+        # replaces the head's drafts after it ran, to measure the machinery at a set acceptance
+        # on random weights
+        self.replay = replay
         self.stop_tokens = set(stop_tokens)
         self.max_batch = max_batch
         self.prefill_batch = min(prefill_batch, max_batch)
@@ -112,9 +123,10 @@ class BatchLoop:
     # ------------------------------------------------------------------ membership
     def insert(self, segments: list[list[int]], max_tokens: int, cache: list | None = None,
                tokens: list[int] | None = None, sampler: Callable | None = None,
-               processors=()) -> int:
+               processors=(), draws=None) -> int:
         """A sequence whose prompt is `segments` (after the `tokens` already in `cache`), to
-        generate at most `max_tokens`. Returns its uid."""
+        generate at most `max_tokens`. `draws`: the sampling.Sampler behind a wrapped `sampler`
+        (a sampled sequence speculates only with it). Returns its uid."""
         segments = [list(s) for s in segments if s]
         if not segments:
             raise ValueError("empty prompt")
@@ -125,9 +137,19 @@ class BatchLoop:
             segments[-2] = segments[-2][:-1]
         uid = self._uids
         self._uids += 1
-        self._pending.append(_Seq(uid, segments, max_tokens, cache if cache is not None else self.model.make_cache(),
-                                  list(tokens or []), sampler or greedy, tuple(processors or ())))
+        if cache is None:
+            cache = self.model.make_cache(mtp=True) if self.spec else self.model.make_cache()
+        elif self.spec and not self.model.has_mtp_cache(cache):
+            # a cache kept without the head's: the head drafts from what it sees from here on
+            cache = list(cache) + self.model.make_cache(mtp=True)[len(cache):]
+        self._pending.append(_Seq(uid, segments, max_tokens, cache, list(tokens or []), sampler or greedy,
+                                  tuple(processors or ()), draws=draws))
         return uid
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step drafts (one sequence decoding, within the batch limit)."""
+        return self.spec is not None and len(self._decoding) == 1
 
     def remove(self, uids) -> None:
         gone = set(uids)
@@ -153,7 +175,10 @@ class BatchLoop:
     def next(self) -> tuple[list[PromptProgress], list[Generated]]:
         """One step: a decode step of the running batch, then (while it has room) a prefill
         round of the waiting prompts."""
-        generated = self._decode() if self._decoding else []
+        if self.speculating:
+            generated = self._speculate()
+        else:
+            generated = self._decode() if self._decoding else []
         if len(self._decoding) >= self.max_batch:
             return [], generated
         n = min(self.prefill_batch - len(self._prompting), self.max_batch - len(self._decoding), len(self._pending))
@@ -183,10 +208,12 @@ class BatchLoop:
             s.segments = []
         contexts = [TokenBuffer(s.tokens) for s in seqs]
         tokens, logprobs, ctx = self._forward(seqs, cache, contexts, inputs)
-        mx.async_eval(tokens, logprobs, ctx)
+        mx.async_eval(tokens, logprobs, ctx, self._mtp_state(cache))
         for s, t in zip(seqs, inputs.tolist()):
             s.tokens.append(t)
         # join the decode batch: the newcomers' first tokens come out of the next step
+        if self.spec and len(self._decoding) == 1:
+            self._settle(self._decoding[0], self._dcache)
         self._decoding += seqs
         self._dcache = _extend(self._dcache, cache)
         self._contexts += contexts
@@ -215,7 +242,12 @@ class BatchLoop:
             inputs = mx.array([c + [0] * (longest - len(c)) for c in chunks])
         else:
             inputs = mx.array(chunks)
-        self.model(inputs, cache=self._pcache, phase=PREFILL)  # the logits are never evaluated
+        if self.spec:  # the logits are never evaluated
+            _, hidden = self.model(inputs, cache=self._pcache, phase=PREFILL, return_hidden=True)
+            self.model.mtp_follow(inputs, hidden, self._pcache, PREFILL,
+                                  lengths=lengths if max(padding) else None)
+        else:
+            self.model(inputs, cache=self._pcache, phase=PREFILL)
         if max(padding):
             for c in self._pcache:
                 c.finalize()
@@ -225,7 +257,12 @@ class BatchLoop:
 
     def _forward(self, seqs, cache, contexts, inputs):
         """Logits of one position per sequence -> processors -> normalised -> sampled."""
-        logits = self.model(inputs[:, None], cache=cache, phase=DECODE)[:, -1, :]
+        if self.spec:
+            logits, hidden = self.model(inputs[:, None], cache=cache, phase=DECODE, return_hidden=True)
+            self.model.mtp_follow(inputs[:, None], hidden, cache, DECODE)
+            logits = logits[:, -1, :]
+        else:
+            logits = self.model(inputs[:, None], cache=cache, phase=DECODE)[:, -1, :]
         used = []
         if any(s.processors for s in seqs):
             rows = []
@@ -250,25 +287,114 @@ class BatchLoop:
         current, current_logprobs = self._next_tokens, self._next_logprobs
         self._next_tokens, self._next_logprobs, ctx = self._forward(self._decoding, self._dcache,
                                                                     self._contexts, current)
-        mx.async_eval(self._next_tokens, self._next_logprobs, ctx)
+        mx.async_eval(self._next_tokens, self._next_logprobs, ctx, self._mtp_state(self._dcache))
         mx.eval(current, current_logprobs)
         self._steps += 1
         if self._steps % CLEAR_EVERY == 0:
             mx.clear_cache()
         out, keep = [], []
         for i, (s, token) in enumerate(zip(self._decoding, current.tolist())):
-            s.tokens.append(token)
-            s.generated += 1
-            reason = "stop" if token in self.stop_tokens else "length" if s.generated >= s.max_tokens else None
-            if reason is None:
+            out.append(self._emit(i, token, current_logprobs[i]))
+            if out[-1].finish_reason is None:
                 keep.append(i)
-                out.append(Generated(s.uid, token, current_logprobs[i], None))
-            else:
-                out.append(Generated(s.uid, token, current_logprobs[i], reason,
-                                     [c.extract(i) for c in self._dcache], list(s.tokens)))
         if len(keep) < len(self._decoding):
             self._keep_decoding(keep)
         return out
+
+    def _emit(self, i: int, token: int, logprobs) -> Generated:
+        """Decode-batch row i's next token: appended to its tokens (the cache holds it), with
+        its finish, if any (then its cache goes with it)."""
+        s = self._decoding[i]
+        s.tokens.append(token)
+        s.generated += 1
+        reason = "stop" if token in self.stop_tokens else "length" if s.generated >= s.max_tokens else None
+        if reason is None:
+            return Generated(s.uid, token, logprobs, None)
+        self._settle(s, self._dcache)  # (only a lone sequence has a lag)
+        return Generated(s.uid, token, logprobs, reason, [c.extract(i) for c in self._dcache], list(s.tokens))
+
+    def _mtp_state(self, cache) -> list:
+        return self.model.mtp_state(cache) if self.spec and cache else []
+
+    def _speculate(self) -> list[Generated]:
+        """A speculative step of the one decoding sequence (server/speculative.py): hands out the
+        token chosen last step, drafts after it with the MTP head, verifies it and the drafts in
+        one forward, keeps what the model agrees with and rolls the caches back to there. The
+        head takes the pairs of the drafts kept (`lag`) with its next step's first draft."""
+        s, cache, context = self._decoding[0], self._dcache, self._contexts[0]
+        current, current_logprobs = self._next_tokens, self._next_logprobs
+        mx.eval(current, current_logprobs)
+        first = current.item()
+        out = [self._emit(0, first, current_logprobs[0])]
+        if out[-1].finish_reason is not None:
+            self._keep_decoding([])
+            return out
+        # drafts beyond what the sequence may still generate are never kept: k + 1 tokens at most
+        k = min(self.spec.drafts, s.max_tokens - s.generated - 1)
+        sampled = s.sampler is not greedy
+        if k <= 0 or (sampled and s.draws is None):
+            self._settle(s, cache)
+            self._next_tokens, self._next_logprobs, ctx = self._forward([s], cache, self._contexts, current)
+            mx.async_eval(self._next_tokens, self._next_logprobs, ctx, self._mtp_state(cache))
+            return out
+        model, n = self.model, len(self.model.layers)
+        lag_tokens, lag_prev = s.lag or ([], None)
+        s.lag = None
+        pending = cache[-1][0]
+        if pending is None:
+            pending = mx.zeros((1, 1, model.language_model.args.hidden_size))
+        prev = pending if lag_prev is None else mx.concatenate([lag_prev, pending], axis=1)
+        hidden = model.mtp_pairs(mx.array([lag_tokens + [first]]), prev, cache, DECODE)[:, -1:]
+        drafts = []
+        for j in range(k):  # the head's own hidden state carries each draft to the next
+            token = mx.argmax(model.draft_logits(hidden, DECODE)[:, -1], axis=-1)[:, None]
+            drafts.append(token)
+            if j < k - 1:
+                hidden = model.mtp_pairs(token, hidden, cache, DECODE)
+        drafted = mx.concatenate(drafts, axis=1)
+        if k > 1:
+            for c in cache[n:-1]:  # the chained drafts' pairs: the verified ones replace them
+                c.trim(k - 1)
+        # the drafts stay in the graph: the head and the verify forward run in one evaluation
+        inputs = mx.concatenate([mx.array([[first]]), drafted], axis=1)
+        if self.replay is not None:  # the head's drafts are still computed (paid for), then replaced
+            inputs = mx.array([[first] + self.replay(s.uid, s.generated, k)])
+        states: dict = {}
+        logits, hidden = model(inputs, cache=cache, phase=DECODE, return_hidden=True, states=states)
+        fast = not s.processors and not sampled
+        chosen = mx.argmax(logits[0], axis=-1) if fast else logits
+        mx.eval(inputs, chosen, drafted)
+        drafts = inputs[0, 1:].tolist()
+        a, bonus, rows = accept(logits[0], drafts, sampler=s.draws if sampled else greedy,
+                                processors=s.processors, context=context, first=first,
+                                stop_tokens=self.stop_tokens, chosen=chosen.tolist() if fast else None)
+        self.spec_counters.add(k, a)
+        if a < k:  # roll back to the last kept position
+            for i, c in enumerate(cache[:n]):
+                if i in states:
+                    conv, recurrent = states[i]
+                    c[0], c[1] = conv[:, a], recurrent[:, a]
+                else:
+                    c.trim(k - a)
+        cache[-1][0] = hidden[:, a:a + 1]
+        if a:
+            s.lag = (drafts[:a], hidden[:, :a])
+        for j in range(a):
+            out.append(self._emit(0, drafts[j], rows[j]))
+            if out[-1].finish_reason is not None:
+                self._keep_decoding([])
+                return out
+        self._next_tokens, self._next_logprobs = mx.array([bonus]), [rows[a]]
+        mx.async_eval([c.state for c in cache])
+        return out
+
+    def _settle(self, s: _Seq, cache: list) -> None:
+        """The head takes the pairs of a sequence's kept drafts it has not seen yet (before its
+        cache leaves the loop or joins a batch)."""
+        if s.lag is not None:
+            tokens, prev = s.lag
+            s.lag = None
+            self.model.mtp_pairs(mx.array([tokens]), prev, cache, DECODE)
 
     def _keep_decoding(self, keep: list[int]) -> None:
         self._decoding = [self._decoding[i] for i in keep]

@@ -28,6 +28,7 @@ from ..models.blas import release_free_memory
 
 from .batching import BatchLoop
 from .sampling import SamplingParams, greedy, make_processors, make_sampler
+from .speculative import SpecCounters, Speculation
 
 log = logging.getLogger("mixbit.engine")
 
@@ -232,11 +233,14 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 16, prefill_tokens: int = 512,
                  cache_entries: int = 64, cache_bytes: int = 1 << 30, model_key: str = "model",
                  on_token_gap: Callable[[float], None] | None = None, group=None,
-                 grammar_engine=None):
+                 grammar_engine=None, speculate: Speculation | None = None):
         """With a distributed `group` (size > 1), rank 0 takes requests and every rank runs
         the same batch in lockstep: rank 0 shares each admission and cancellation with the
         others before the step that applies it, so tensor-parallel collectives line up."""
         self.model = model
+        # drafting with the model's MTP head (server/speculative.py); not across ranks
+        self.speculate = speculate if group is None or group.size() == 1 else None
+        self.spec_counters = SpecCounters()
         self.group = group if group is not None and group.size() > 1 else None
         self.rank = self.group.rank() if self.group is not None else 0
         self.grammar_engine = grammar_engine
@@ -392,7 +396,7 @@ class Engine:
 
     def _generator(self) -> BatchLoop:
         return BatchLoop(self.model, stop_tokens=self.eos_ids, max_batch=self.max_batch,
-                         prefill_batch=min(self.max_batch, 8), prefill_tokens=self.prefill_tokens)
+                         speculate=self.speculate, counters=self.spec_counters, prefill_batch=min(self.max_batch, 8), prefill_tokens=self.prefill_tokens)
 
     def _next_ops(self, block: bool) -> list | None:
         """What to apply before the next step: admissions and cancellations (None: stop)."""
@@ -483,7 +487,7 @@ class Engine:
         seq.cached = len(seq.prompt) - len(rest)
         processors = [_guarded(seq, p, lambda tokens, logits: logits)
                        for p in make_processors(seq.params) + seq.extra_processors]
-        sampler = make_sampler(seq.params, seq.draw_index)
+        draws = sampler = make_sampler(seq.params, seq.draw_index)
         if sampler is not greedy:  # one shared greedy sampler keeps greedy batches in one call
             sampler = _guarded(seq, sampler, greedy)
         marks = [(c, kind) for c, kind in self._marks.checkpoints(seq.prompt) if c > seq.cached]
@@ -491,7 +495,8 @@ class Engine:
         cuts = [c - seq.cached for c, _ in marks]
         seq.uid = gen.insert([rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])],
                              seq.params.max_tokens, cache=cache, tokens=seq.prompt[:seq.cached],
-                             sampler=sampler, processors=processors)
+                             sampler=sampler, processors=processors,
+                             draws=draws if draws is not greedy else None)
         seq.detok = self.tokenizer.detokenizer
         seq.detok.reset()
         seq.stops = StopMatcher(seq.params.stop)

@@ -14,7 +14,7 @@ import resource
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, Info,
                                disable_created_metrics, generate_latest)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: half the series, nothing a dashboard uses
 
@@ -60,6 +60,7 @@ class _EngineCollector:
             for key, fam in families.items():
                 fam.add_metric([v.variant], values[key])
         yield from families.values()
+        yield from _spec_families(st.variants)
         yield g("mixbit_memory_bytes", "Resident memory of the server process", value=_rss_bytes())
         try:
             import mlx.core as mx
@@ -86,6 +87,26 @@ class _EngineCollector:
         if fid is not None:
             yield g("mixbit_fidelity_queue_depth", "Spot checks waiting for the reference",
                     value=fid.queue.qsize())
+
+
+def _spec_families(variants):
+    """Speculative decoding with the MTP head (server/speculative.py), with vLLM's meanings:
+    steps that drafted, tokens drafted, drafts accepted, and accepted drafts by position."""
+    c = CounterMetricFamily
+    drafts = c("mixbit_spec_decode_num_drafts", "Decode steps that drafted with the MTP head", labels=["variant"])
+    tokens = c("mixbit_spec_decode_num_draft_tokens", "Tokens drafted by the MTP head", labels=["variant"])
+    accepted = c("mixbit_spec_decode_num_accepted_tokens", "Drafted tokens the model accepted",
+                 labels=["variant"])
+    per_pos = c("mixbit_spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by position "
+                "in the step's draft (0: the first)", labels=["variant", "position"])
+    for v in variants:
+        sc = v.engine.spec_counters
+        drafts.add_metric([v.variant], sc.drafts)
+        tokens.add_metric([v.variant], sc.draft_tokens)
+        accepted.add_metric([v.variant], sc.accepted_tokens)
+        for pos, n in enumerate(sc.accepted_per_position):
+            per_pos.add_metric([v.variant, str(pos)], n)
+    return [drafts, tokens, accepted, per_pos]
 
 
 class Metrics:

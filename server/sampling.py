@@ -63,28 +63,50 @@ def top_p_filter(logprobs: mx.array, top_p: float, candidates: int = TOP_P_CANDI
     return mx.where(logprobs < threshold, -float("inf"), logprobs)
 
 
-def make_sampler(p: SamplingParams, draw_index: int = 0):
-    """A sampler for one sequence; with a seed, the same seed gives the same tokens."""
-    if p.temperature == 0:
-        return greedy
-    # MLX keys take 0..2**64-1: negative (int64) seeds and seed + n wrap around
-    key = [mx.random.key((p.seed + draw_index) % 2**64)] if p.seed is not None else None
+class Sampler:
+    """One sequence's sampler: `sampler(logprobs)` draws a token from the distribution its
+    settings make of the row (`logits`: top-p, min-p, top-k, then the temperature), with its own
+    random key when the request has a seed. Speculative decoding draws through the same key
+    (`uniform`, `draw`), so a seeded request repeats itself."""
 
-    def sample(logprobs: mx.array) -> mx.array:
-        x = logprobs
+    def __init__(self, p: SamplingParams, draw_index: int = 0):
+        self.p = p
+        # MLX keys take 0..2**64-1: negative (int64) seeds and seed + n wrap around
+        self.key = mx.random.key((p.seed + draw_index) % 2**64) if p.seed is not None else None
+
+    def logits(self, logprobs: mx.array) -> mx.array:
+        """The row's logits of the distribution this sampler draws from (up to a constant)."""
+        p, x = self.p, logprobs
         if 0 < p.top_p < 1.0:
             x = top_p_filter(x, p.top_p)
         if p.min_p > 0:
             x = apply_min_p(x, p.min_p)
         if p.top_k > 0:
             x = apply_top_k(x, p.top_k)
-        x = x * (1.0 / p.temperature)
-        if key is None:
-            return mx.random.categorical(x)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(x, key=sub)
+        return x * (1.0 / p.temperature)
 
-    return sample
+    def _subkey(self):
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def draw(self, logits: mx.array) -> mx.array:
+        return mx.random.categorical(logits, key=self._subkey())
+
+    def uniform(self) -> mx.array:
+        return mx.random.uniform(key=self._subkey())
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self.draw(self.logits(logprobs))
+
+
+def make_sampler(p: SamplingParams, draw_index: int = 0):
+    """A sampler for one sequence (`greedy` at temperature 0); with a seed, the same seed gives
+    the same tokens."""
+    if p.temperature == 0:
+        return greedy
+    return Sampler(p, draw_index)
 
 
 def think_budget_processor(budget: int, end: tuple[int, ...]):

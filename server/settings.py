@@ -139,6 +139,11 @@ class GenerationSettings(_Section):
     seed: int = 0
     tool_grammar: bool = Field(True, description="under tool_choice auto, tool calls may only "
                                "name offered functions (strict ones follow their schema)")
+    mtp: bool = Field(True, description="self-speculative decoding with the checkpoint's own MTP head "
+                      "(where it has one): the head drafts, the model verifies several tokens in one "
+                      "forward; outputs are the same as without it (docs/speculative.md)")
+    mtp_drafts: int = Field(1, ge=1, le=8, description="tokens the MTP head drafts per step (while one "
+                            "sequence decodes; a batch of several decodes plainly)")
 
 
 class FidelitySettings(_Section):

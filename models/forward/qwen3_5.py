@@ -126,9 +126,12 @@ class GatedDeltaNet(nn.Module):
         z = project(self.in_proj_z, inputs, phase).reshape(B, S, self.num_v_heads, self.head_v_dim)
         b = project(self.in_proj_b, inputs, phase)
         a = project(self.in_proj_a, inputs, phase)
-        if self.fused and S == 1 and cache is not None and cache.lengths is None and phase != TRAIN \
-                and not keep_states and self.recurrence == "kernel":
-            return self._decode_step(qkv[:, 0], z, a[:, 0], b[:, 0], mask, cache, phase)
+        if self.fused and cache is not None and cache.lengths is None and phase != TRAIN \
+                and self.recurrence == "kernel":
+            if S == 1 and not keep_states:
+                return self._decode_step(qkv[:, 0], z, a[:, 0], b[:, 0], mask, cache, phase)
+            if keep_states and mask is None:  # a verify step: decode steps one after the other
+                return self._decode_steps(qkv, z, a, b, cache, phase)
         if cache is not None and cache[0] is not None:
             conv_state = cache[0]
         else:
@@ -181,6 +184,28 @@ class GatedDeltaNet(nn.Module):
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return (out, kept) if keep_states else out
 
+
+    def _decode_steps(self, qkv, z, a, b, cache, phase):
+        """Several positions per sequence as that many fused decode steps (the same kernel, so
+        the same numbers, as decoding them one by one), keeping the states after each."""
+        B, S, _ = qkv.shape
+        conv = cache[0] if cache[0] is not None else mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim))
+        state = cache[1] if cache[1] is not None else \
+            mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim))
+        ys, convs, states = [], [], []
+        for t in range(S):
+            y, conv, state = kernels.gdn_decode_step(
+                qkv[:, t], z[:, t].reshape(B, -1), a[:, t], b[:, t], conv, self._conv_w_t, self.A_log,
+                self.dt_bias, state, self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim)
+            ys.append(y)
+            convs.append(conv)
+            states.append(state)
+        cache[0], cache[1] = conv, state
+        cache.advance(S)
+        out = project(self.out_proj, mx.stack(ys, axis=1), phase)
+        if self.sharding_group is not None:
+            out = mx.distributed.all_sum(out, group=self.sharding_group)
+        return out, (mx.stack(convs, axis=1), mx.stack(states, axis=1))
 
     def _decode_step(self, qkv, z, a, b, mask, cache, phase):
         """A decode step (one token per sequence) in one kernel call from the projections'
@@ -456,8 +481,51 @@ class Model(nn.Module):
         """Removes the MTP head from the model (and its parameters) and returns it (or None)."""
         return self.language_model.pop("mtp", None)
 
-    def make_cache(self):
-        return self.language_model.make_cache()
+    def make_cache(self, mtp: bool = False):
+        """One cache per decoder layer; with `mtp` (and an MTP head), the head's own after them:
+        a KV cache per MTP layer, then an ArraysCache holding the model's hidden state of the
+        last token processed (`mtp_follow`). mlx-lm's batching methods treat them as any other
+        layer's, and the model's layers ignore what follows theirs."""
+        cache = self.language_model.make_cache()
+        if mtp and self.mtp is not None:
+            cache += [KVCache() for _ in self.mtp.layers] + [ArraysCache(size=1)]
+        return cache
+
+    def has_mtp_cache(self, cache: list) -> bool:
+        return self.mtp is not None and len(cache) == len(self.layers) + len(self.mtp.layers) + 1
+
+    def mtp_pairs(self, tokens, hidden, cache, phase: str | None = None):
+        """The MTP head's hidden states (normed) for pairs (token x_p [B, T], the hidden state
+        that precedes it [B, T, H]) appended to the head's caches in `cache` (make_cache(mtp=
+        True)); `draft_logits` turns them into logits."""
+        n = len(self.layers)
+        emb = self.model.embed_tokens(tokens)
+        return self.mtp(emb.astype(hidden.dtype), hidden, cache=cache[n:n + len(self.mtp.layers)], phase=phase)
+
+    def draft_logits(self, hidden, phase: str | None = None):
+        return self.language_model.head(hidden, phase_of(hidden, phase))
+
+    def mtp_follow(self, tokens, hidden, cache, phase: str | None = None, lengths=None) -> None:
+        """Keeps the MTP head's caches in step with the model's: after the model processed
+        `tokens` [B, T] with final hidden states `hidden` [B, T, H], the head takes the pairs
+        (x_p, h_{p-1}) (h before the first: the one kept from the previous call, zeros at the
+        start of a sequence) and keeps h of each row's last token (`lengths`: of a right-padded
+        batch). Pair p sits at position p of the head's cache, as token p sits in the model's."""
+        pending = cache[-1]
+        B, T, H = hidden.shape
+        before = pending[0] if pending[0] is not None else mx.zeros((B, 1, H), hidden.dtype)
+        prev = mx.concatenate([before.astype(hidden.dtype), hidden[:, :-1]], axis=1) if T > 1 else before
+        self.mtp_pairs(tokens, prev, cache, phase)
+        if lengths is None:
+            pending[0] = hidden[:, -1:]
+        else:
+            pending[0] = mx.take_along_axis(hidden, (mx.array(lengths) - 1)[:, None, None], axis=1)
+
+    def mtp_state(self, cache: list) -> list:
+        """The arrays the MTP head's caches hold (to evaluate with a step)."""
+        n = len(self.layers)
+        out = [c.state for c in cache[n:-1]]
+        return out + [a for a in cache[-1].cache if a is not None]
 
     def sanitize(self, weights: dict) -> dict:
         """The checkpoint's names and conventions as mlx-lm's qwen3_5 takes them (vision tower

@@ -1,0 +1,121 @@
+"""Self-speculative decoding with the model's own MTP head: the settings, the acceptance rule and
+the counters.
+
+A speculative step of a sequence (server/batching.py runs it): the MTP head drafts k tokens
+after the token the model last chose (greedily, each from the head's own hidden state); the
+model verifies that token and the k drafts in one forward of k + 1 positions; the longest run of
+drafts the model itself would have produced is kept, plus the model's own token at the first
+position that disagrees (or after the last draft), so every step yields 1 to k + 1 tokens. The
+caches roll back to the last kept position: attention caches are trimmed, GatedDeltaNet's conv
+and recurrent states are set to the ones the forward kept after that position (no recompute),
+and the head's own cache follows the model's (models/forward/qwen3_5.Model.mtp_follow).
+
+What a sequence gets is exactly what it gets without drafting: each position's logits go
+through the sequence's own logits processors (grammar, penalties, bias) with the tokens before
+it, in order, and stop at the first rejection, so a processor only ever sees accepted tokens;
+at temperature 0 a draft is kept when it is the argmax; when sampling, a draft d is kept with
+probability p(d) under the sequence's own sampling distribution p (top-p/top-k/min-p and the
+temperature applied), and on rejection the token is drawn from p with d removed, which leaves
+every position distributed exactly as p (a one-hot draft in the standard rejection rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..models import kernels
+
+
+@dataclass
+class Speculation:
+    """`generation.mtp`: draft `drafts` tokens per step while one sequence decodes (a batch of
+    several decodes plainly: their acceptance differs per row, and a batched step already reads
+    the weights once for all of them)."""
+    drafts: int = 1
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters: steps that drafted, tokens drafted, drafts kept,
+    and kept drafts by position (position 0 = the first draft of a step)."""
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.append(0)
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
+
+
+def normalise(logits: mx.array) -> mx.array:
+    return logits - kernels.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def accept(rows: mx.array, drafts: list[int], *, sampler, processors=(), context=None,
+           first: int | None = None, stop_tokens=frozenset(),
+           chosen: list[int] | None = None) -> tuple[int, int | None, list[mx.array]]:
+    """The verify step's verdict for one sequence: `rows` [k + 1, V] are the model's logits at
+    the token it chose last (`first`) and after each of the k `drafts`. Returns (accepted
+    drafts a, the model's own token after them (None when an accepted draft is a stop token:
+    the sequence ends there), the normalised rows the a drafts and that token were taken from).
+
+    `sampler`: server/sampling's `greedy` or a `Sampler`; `processors` see, at each position,
+    `context` (a TokenBuffer of the sequence's tokens) with the tokens before that position.
+    `chosen`: the rows' argmax, where the caller evaluated it with the forward (greedy, no
+    processors)."""
+    k = len(drafts)
+    if not processors and sampler is _greedy():  # the plain case at once: argmax of every row
+        logprobs = normalise(rows)
+        if chosen is None:
+            chosen = mx.argmax(rows, axis=-1).tolist()
+        a = 0
+        while a < k and chosen[a] == drafts[a]:
+            a += 1
+            if drafts[a - 1] in stop_tokens:
+                return a, None, [logprobs[j] for j in range(a)]
+        return a, chosen[a], [logprobs[j] for j in range(a + 1)]
+    kept = []
+    previous = first
+    for j in range(k + 1):
+        row = rows[j:j + 1]
+        if processors:
+            tokens = context.update_and_fetch(mx.array([previous]))
+            for p in processors:
+                row = p(tokens, row)
+        logprobs = normalise(row)
+        kept.append(logprobs[0])
+        if j == k:
+            return k, int(sampler(logprobs).item()), kept
+        d = drafts[j]
+        if sampler is _greedy():
+            token = int(mx.argmax(logprobs, axis=-1).item())
+            if token != d:
+                return j, token, kept
+        else:
+            logits = sampler.logits(logprobs)
+            probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+            if not sampler.uniform().item() < probs[0, d].item():
+                masked = mx.where(mx.arange(logits.shape[-1]) == d, -mx.inf, logits)
+                return j, int(sampler.draw(masked).item()), kept
+        if d in stop_tokens:
+            return j + 1, None, kept
+        previous = d
+    raise AssertionError("unreachable")
+
+
+def _greedy():
+    from .sampling import greedy
+
+    return greedy
