@@ -135,17 +135,12 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def cmd_train_tiny(args) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        raise SettingsError("train-tiny needs PyTorch: pip install 'mixbit[train]'")
-    from mixbit.models.training.train import TrainConfig, export_from_checkpoint, train
-    cfg = TrainConfig()
-    for text in args.set_train:
+def _overrides(cfg, texts: list[str]):
+    """A training dataclass with `--train KEY=VALUE` overrides, each parsed as the field's type."""
+    for text in texts:
         key, _, value = text.partition("=")
-        if key not in TrainConfig.__dataclass_fields__:
-            raise SettingsError(f"--train {key}: unknown; known: {', '.join(TrainConfig.__dataclass_fields__)}")
+        if key not in cfg.__dataclass_fields__:
+            raise SettingsError(f"--train {key}: unknown; known: {', '.join(cfg.__dataclass_fields__)}")
         current = getattr(cfg, key)
         if isinstance(current, bool):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
@@ -156,6 +151,16 @@ def cmd_train_tiny(args) -> int:
             setattr(cfg, key, type(current)(value))
         except ValueError:
             raise SettingsError(f"--train {key}={value}: not a {type(current).__name__}") from None
+    return cfg
+
+
+def cmd_train_tiny(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise SettingsError("train-tiny needs PyTorch: pip install 'mixbit[train]'")
+    from mixbit.models.training.train import TrainConfig, export_from_checkpoint, train
+    cfg = _overrides(TrainConfig(), args.set_train)
     if args.out:
         cfg.out = args.out
     if args.work_dir:
@@ -169,6 +174,17 @@ def cmd_train_tiny(args) -> int:
         throughput(cfg, steps=args.throughput)
         return 0
     train(cfg, max_minutes=args.max_minutes)
+    return 0
+
+
+def cmd_train_mtp(args) -> int:
+    from mixbit.models.training.mtp import MtpConfig, train_mtp
+
+    cfg = _overrides(MtpConfig(), args.set_train)
+    if args.model:
+        cfg.model = args.model
+    info = train_mtp(cfg)
+    print(json.dumps({k: info[k] for k in ("heldout_agreement", "heldout_kl", "seconds")}))
     return 0
 
 
@@ -319,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-only", action="store_true",
                    help="write the latest checkpoint of the run as a model folder, do not train")
     p.set_defaults(func=cmd_train_tiny)
+
+    p = sub.add_parser("train-mtp", help="train an MTP head (speculative drafts) on top of a frozen model folder")
+    p.add_argument("--model", help="model folder to add the head to (default: models/tiny-qwen3.5)")
+    p.add_argument("--train", dest="set_train", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an MtpConfig field, e.g. --train steps=100")
+    p.set_defaults(func=cmd_train_mtp)
 
     p = sub.add_parser("eval", help="held-out loss per data kind and tool-call accuracy")
     _add_settings_flags(p, GEN_FLAGS)
