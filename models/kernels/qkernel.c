@@ -190,9 +190,10 @@ AVX512 static inline __attribute__((always_inline)) void affine_block(
         const int MB) {
     /* sum_g s_g * (q_g . x_g) + sum_g b_g * sum(x_g): the scale is applied once per group and
      * the bias through the group sums of x (computed once per call), so a weight costs one
-     * byte-to-dword permute, one conversion and one FMA per input row. With few rows, several
-     * partial sums per row break the FMA latency chain (4 for one row, 2 for up to 4 rows). */
-    const int NA = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
+     * byte-to-dword permute, one conversion and one FMA per input row. One partial sum per row
+     * whatever the number of rows (MB), so a row's result never depends on how many rows share
+     * the call (a verify step's positions are a decode step's, bit for bit). */
+    const int NA = 1;
     const int64_t K = j->K, ng = K / j->group;
     const int64_t row_bytes = K * j->bits / 8;
     const uint8_t *wr = j->w + n * row_bytes;
