@@ -90,5 +90,13 @@ def test_states_after_each_position(loaded_tiny):
         plain = model(step[:, :t + 1], cache=short, phase="decode")
         np.testing.assert_allclose(np.array(plain), np.array(logits[:, :t + 1]), rtol=1e-4, atol=1e-4)
         for i, (conv, rec) in states.items():
-            np.testing.assert_allclose(np.array(conv[:, t]), np.array(short[i][0]), rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(np.array(rec[:, t]), np.array(short[i][1]), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(np.array(conv[t]), np.array(short[i][0]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.array(rec[t]), np.array(short[i][1]), rtol=1e-4, atol=1e-5)
+    # rolled back to two of the four positions, the cache continues as a step of two left it
+    model.rollback(cache, states, kept=2, verified=4)
+    short = model.make_cache()
+    model(prompt, cache=short)
+    model(step[:, :2], cache=short, phase="decode")
+    nxt = mx.array([[21]])
+    np.testing.assert_allclose(np.array(model(nxt, cache=cache, phase="decode")),
+                               np.array(model(nxt, cache=short, phase="decode")), rtol=1e-4, atol=1e-4)

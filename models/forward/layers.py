@@ -56,7 +56,13 @@ def is_packed(module) -> bool:
 
 def project(module, x, phase: str):
     """module(x) for a projection of the forward: mixbit's take the phase, MLX's (a model that
-    was loaded but not built from a plan, e.g. for quantization) do not need it."""
+    was loaded but not built from a plan, e.g. for quantization) do not need it. A decode step
+    of several positions per sequence (a verify step) runs position by position on projections
+    other than the packed kernels (whose rows never depend on how many share a call): a BLAS
+    product rounds differently for one row and for several, and each position must compute
+    what a one-position decode step computes."""
+    if phase == DECODE and x.ndim == 3 and x.shape[1] > 1 and not isinstance(module, _Packed):
+        return mx.concatenate([project(module, x[:, t:t + 1], phase) for t in range(x.shape[1])], axis=1)
     return module(x, phase) if isinstance(module, Projection) else module(x)
 
 
@@ -158,6 +164,33 @@ class PackedEmbedding(nn.Module, _Packed):
 
     def as_linear(self, x, phase: str | None = None):
         return self.matmul(x, phase_of(x, phase))
+
+
+def head_rows(module, ids: mx.array):
+    """A projection computing only the output rows `ids` of an output head (a linear layer, or
+    a tied table as a linear), each row from the same stored bytes and on the same kernels as
+    the whole head computes it: the MTP head's drafts over a reduced vocabulary."""
+    if isinstance(module, _Packed):
+        out = PackedLinear.__new__(PackedLinear)
+        nn.Module.__init__(out)
+        out.weight = module["weight"][ids]
+        out.bits, out.group_size = module.bits, module.group_size
+        if module.bits != 16:
+            out.scales, out.biases = module["scales"][ids], module["biases"][ids]
+        out.decode_mode, out.prompt_mode = module.decode_mode, module.prompt_mode
+        out.prompt_from_rows, out.head = module.prompt_from_rows, True
+    elif isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        dims = module["scales"].shape[-1] * module.group_size
+        out = MlxQuantizedLinear(dims, ids.size, bias=False, group_size=module.group_size, bits=module.bits)
+        out.weight, out.scales = module["weight"][ids], module["scales"][ids]
+        if "biases" in module:
+            out.biases = module["biases"][ids]
+    else:
+        w = module["weight"][ids]
+        out = DenseLinear(w.shape[1], w.shape[0], bias=False)
+        out.weight = w
+    mx.eval(out.parameters())
+    return out
 
 
 def _through_dense(layer, x) -> bool:

@@ -16,6 +16,7 @@ the kernels too (MLX's Linux build computes exp one value at a time).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -34,7 +35,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
 from .gated_delta_chunked import MIN_TOKENS, chunked_gated_delta
-from .layers import (TRAIN, PackedEmbedding, PackedLinear, Projection, dense, mlx_quantized,
+from .layers import (DECODE, TRAIN, PackedEmbedding, PackedLinear, Projection, dense, head_rows, mlx_quantized,
                      phase_of, project)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -115,9 +116,9 @@ class GatedDeltaNet(nn.Module):
 
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None,
                  phase: str | None = None, keep_states: bool = False):
-        """The layer's output; with `keep_states`, also (conv states [B, S, K-1, C], recurrent
-        states [B, S, Hv, Dv, Dk]): the state after each position of the call, from which a step
-        of several tokens per sequence can be rolled back to any of them without recomputing."""
+        """The layer's output; with `keep_states`, also (conv states, recurrent states): lists
+        over the call's positions of the states after each ([B, K-1, C] and [B, Hv, Dv, Dk]), to
+        which a step of several tokens per sequence rolls back without recomputing."""
         phase = phase_of(inputs, phase)
         B, S, _ = inputs.shape
         if self.sharding_group is not None:
@@ -130,8 +131,8 @@ class GatedDeltaNet(nn.Module):
                 and self.recurrence == "kernel":
             if S == 1 and not keep_states:
                 return self._decode_step(qkv[:, 0], z, a[:, 0], b[:, 0], mask, cache, phase)
-            if keep_states and mask is None:  # a verify step: decode steps one after the other
-                return self._decode_steps(qkv, z, a, b, cache, phase)
+            if keep_states:  # a verify step: decode steps one after the other
+                return self._decode_steps(qkv, z, a, b, mask, cache, phase)
         if cache is not None and cache[0] is not None:
             conv_state = cache[0]
         else:
@@ -160,14 +161,14 @@ class GatedDeltaNet(nn.Module):
         q, k = normalize_qk(q, k, inv_scale=self.head_k_dim ** -0.5, eps=1e-6)
         if keep_states:  # position by position, each state kept
             n_keep = self.conv_kernel_size - 1
-            conv_states = mx.stack([conv_input[:, t + 1:t + 1 + n_keep] for t in range(S)], axis=1)
+            conv_states = [conv_input[:, t + 1:t + 1 + n_keep] for t in range(S)]
             outs, states = [], []
             for t in range(S):
                 y, state = self._recurrence(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[:, t:t + 1],
                                             b[:, t:t + 1], state, None if mask is None else mask[:, t:t + 1], phase)
                 outs.append(y)
                 states.append(state)
-            out, kept = mx.concatenate(outs, axis=1), (conv_states, mx.stack(states, axis=1))
+            out, kept = mx.concatenate(outs, axis=1), (conv_states, states)
         else:
             out, state = self._recurrence(q, k, v, a, b, state, mask, phase)
         if cache is not None:
@@ -185,17 +186,21 @@ class GatedDeltaNet(nn.Module):
         return (out, kept) if keep_states else out
 
 
-    def _decode_steps(self, qkv, z, a, b, cache, phase):
-        """Several positions per sequence as that many fused decode steps (the same kernel, so
-        the same numbers, as decoding them one by one), keeping the states after each."""
+    def _decode_steps(self, qkv, z, a, b, mask, cache, phase):
+        """Several positions per sequence as that many fused decode steps (the same kernel and
+        masking, so the same numbers, as decoding them one by one), keeping the states after each."""
         B, S, _ = qkv.shape
         conv = cache[0] if cache[0] is not None else mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim))
         state = cache[1] if cache[1] is not None else \
             mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim))
         ys, convs, states = [], [], []
         for t in range(S):
+            x, a_t, b_t = qkv[:, t], a[:, t], b[:, t]
+            if mask is not None:  # a padded position leaves the states as they were
+                keep = mask[:, t:t + 1]
+                x, a_t, b_t = mx.where(keep, x, 0), mx.where(keep, a_t, -mx.inf), mx.where(keep, b_t, -mx.inf)
             y, conv, state = kernels.gdn_decode_step(
-                qkv[:, t], z[:, t].reshape(B, -1), a[:, t], b[:, t], conv, self._conv_w_t, self.A_log,
+                x, z[:, t].reshape(B, -1), a_t, b_t, conv, self._conv_w_t, self.A_log,
                 self.dt_bias, state, self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim)
             ys.append(y)
             convs.append(conv)
@@ -205,7 +210,7 @@ class GatedDeltaNet(nn.Module):
         out = project(self.out_proj, mx.stack(ys, axis=1), phase)
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
-        return out, (mx.stack(convs, axis=1), mx.stack(states, axis=1))
+        return out, (convs, states)
 
     def _decode_step(self, qkv, z, a, b, mask, cache, phase):
         """A decode step (one token per sequence) in one kernel call from the projections'
@@ -266,9 +271,27 @@ class Attention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
         else:
             queries, keys = self.rope(queries), self.rope(keys)
-        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        if phase == DECODE and L > 1 and cache is not None:
+            out = self._rows(queries, keys, values, cache, mask)
+        else:
+            out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return project(self.o_proj, out * mx.sigmoid(gate), phase)
+
+
+    def _rows(self, queries, keys, values, cache, mask):
+        """A decode step of several positions per sequence (a verify step): each position as
+        the one-position step that would have computed it (the same keys, the same call), so
+        its logits are bit for bit a plain decode step's (CPU attention is a BLAS product whose
+        rounding depends on the number of query rows)."""
+        L, n = queries.shape[2], keys.shape[2]
+        outs = []
+        for t in range(L):
+            end = n - L + t + 1
+            m = mask[..., t:t + 1, :end] if isinstance(mask, mx.array) else None
+            outs.append(scaled_dot_product_attention(queries[:, :, t:t + 1], keys[:, :, :end], values[:, :, :end],
+                                                     cache=cache, scale=self.scale, mask=m))
+        return mx.concatenate(outs, axis=2)
 
 
 class MLP(nn.Module):
@@ -385,6 +408,13 @@ class TextModel(nn.Module):
         return self.norm(h)
 
 
+@dataclass
+class DraftVocab:
+    """The tokens the MTP head drafts from (`Model.set_draft_vocab`) and their output rows."""
+    ids: mx.array
+    head: object
+
+
 class MTP(nn.Module):
     """Qwen3.5's multi-token-prediction head (`mtp.*`): fc over [norm(embed(x_{t+1})); norm(h_t)],
     one full-attention decoder layer with its own cache, a norm, and the model's output head.
@@ -427,7 +457,11 @@ class LanguageModel(nn.Module):
     def head(self, h, phase: str) -> mx.array:
         if self.args.tie_word_embeddings:
             table = self.model.embed_tokens
-            return table.as_linear(h, phase) if isinstance(table, Projection) else table.as_linear(h)
+            if isinstance(table, Projection):
+                return table.as_linear(h, phase)
+            if phase == DECODE and h.ndim == 3 and h.shape[1] > 1:  # as `project` does (a verify step)
+                return mx.concatenate([table.as_linear(h[:, t:t + 1]) for t in range(h.shape[1])], axis=1)
+            return table.as_linear(h)
         out = project(self.lm_head, h, phase)
         if self.sharding_group is not None:
             out = gather_last_axis(out, self.sharding_group)
@@ -505,6 +539,26 @@ class Model(nn.Module):
     def draft_logits(self, hidden, phase: str | None = None):
         return self.language_model.head(hidden, phase_of(hidden, phase))
 
+    def set_draft_vocab(self, ids) -> None:
+        """Drafts over the tokens `ids` only (None: the whole vocabulary): the MTP head's logits
+        then come from those rows of the output head (FR-Spec). The model's own logits, which
+        verify every draft, stay over the whole vocabulary, so outputs do not change; a token
+        outside `ids` is never drafted."""
+        if ids is None:
+            self.draft_vocab = None
+            return
+        lm = self.language_model
+        table = lm.model.embed_tokens if lm.args.tie_word_embeddings else lm.lm_head
+        ids = mx.array(sorted(ids), dtype=mx.int32)
+        self.draft_vocab = DraftVocab(ids, head_rows(table, ids))
+
+    def draft_tokens(self, hidden, phase: str | None = None) -> mx.array:
+        """The MTP head's greedy drafts [B, T] from its hidden states (`mtp_pairs`)."""
+        vocab = getattr(self, "draft_vocab", None)
+        if vocab is None:
+            return mx.argmax(self.draft_logits(hidden, phase), axis=-1)
+        return vocab.ids[mx.argmax(project(vocab.head, hidden, phase_of(hidden, phase)), axis=-1)]
+
     def mtp_follow(self, tokens, hidden, cache, phase: str | None = None, lengths=None) -> None:
         """Keeps the MTP head's caches in step with the model's: after the model processed
         `tokens` [B, T] with final hidden states `hidden` [B, T, H], the head takes the pairs
@@ -520,6 +574,20 @@ class Model(nn.Module):
             pending[0] = hidden[:, -1:]
         else:
             pending[0] = mx.take_along_axis(hidden, (mx.array(lengths) - 1)[:, None, None], axis=1)
+
+    def rollback(self, cache: list, states: dict, kept: int, verified: int) -> None:
+        """After a step of `verified` positions per sequence, with the GatedDeltaNet `states` it
+        kept (the `states` of the call), the caches as if only the first `kept` had been run:
+        attention caches trimmed, GatedDeltaNet's conv and recurrent states the ones after
+        position kept - 1 (no recompute). The MTP head's caches are the caller's."""
+        if kept == verified:
+            return
+        for i in range(len(self.layers)):
+            if i in states:
+                conv, recurrent = states[i]
+                cache[i][0], cache[i][1] = conv[kept - 1], recurrent[kept - 1]
+            else:
+                cache[i].trim(verified - kept)
 
     def mtp_state(self, cache: list) -> list:
         """The arrays the MTP head's caches hold (to evaluate with a step)."""
