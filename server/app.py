@@ -28,7 +28,7 @@ from .metrics import Metrics
 from .middleware import CatchAll, CheckBody, CountRequests
 from .routes import ROUTERS
 from .settings import Settings
-from .speculative import Speculation
+from .speculative import Speculation, draft_vocabulary
 from .state import ServerState
 
 log = logging.getLogger("mixbit.server")
@@ -96,7 +96,14 @@ def follow(settings: Settings, group) -> int:
 def speculation(s) -> Speculation | None:
     """`generation.mtp*`: drafting with the checkpoint's MTP head (server/speculative.py)."""
     g = s.generation
-    return Speculation(drafts=g.mtp_drafts) if g.mtp else None
+    return Speculation(drafts=g.mtp_drafts, vocab=g.mtp_draft_vocab) if g.mtp else None
+
+
+def draft_over(model, hf_tokenizer, spec: Speculation | None) -> None:
+    """The MTP head drafts over the `spec.vocab` most frequent tokens (FR-Spec), where that is
+    fewer than the vocabulary."""
+    if spec is not None and spec.vocab and getattr(model, "mtp", None) is not None:
+        model.set_draft_vocab(draft_vocabulary(hf_tokenizer, spec.vocab))
 
 
 def speculative_card(engine: Engine, model) -> dict:
@@ -107,7 +114,9 @@ def speculative_card(engine: Engine, model) -> dict:
     if engine.speculate is None:
         return {"method": None, "reason": "generation.mtp is off" if engine.group is None
                 else "not across distributed ranks"}
-    return {"method": "mtp", "drafts": engine.speculate.drafts, "max_batch": 1}
+    vocab = getattr(model, "draft_vocab", None)
+    return {"method": "mtp", "drafts": engine.speculate.drafts, "max_batch": 1,
+            "draft_vocab": int(vocab.ids.size) if vocab is not None else "all"}
 
 
 class StartupRefused(RuntimeError):
@@ -214,12 +223,14 @@ def start_loading(state: ServerState) -> threading.Thread:
                                             # how each layer shape runs on the CPU (docs/cpu-serving.md)
                                             **({"cpu_plan": lm.cpu_plan} if lm.cpu_plan else {})})
                 itl = state.metrics.itl.labels(v.variant).observe if state.metrics else None
+                spec = speculation(s) if state.group is None or state.group.size() == 1 else None
+                draft_over(lm.model, lm.hf_tokenizer, spec)
                 v.engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                                   prefill_tokens=s.server.prefill_tokens,
                                   cache_entries=s.server.prefix_cache_entries,
                                   cache_bytes=s.server.prefix_cache_bytes, model_key=served_id,
                                   on_token_gap=itl, group=state.group, grammar_engine=grammar,
-                                  speculate=speculation(s))
+                                  speculate=spec)
                 v.provenance["speculative"] = speculative_card(v.engine, lm.model)
                 v.engine.start()
                 if state.metrics is not None:

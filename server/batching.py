@@ -347,7 +347,7 @@ class BatchLoop:
         hidden = model.mtp_pairs(mx.array([lag_tokens + [first]]), prev, cache, DECODE)[:, -1:]
         drafts = []
         for j in range(k):  # the head's own hidden state carries each draft to the next
-            token = mx.argmax(model.draft_logits(hidden, DECODE)[:, -1], axis=-1)[:, None]
+            token = model.draft_tokens(hidden[:, -1:], DECODE)
             drafts.append(token)
             if j < k - 1:
                 hidden = model.mtp_pairs(token, hidden, cache, DECODE)
@@ -369,13 +369,7 @@ class BatchLoop:
                                 processors=s.processors, context=context, first=first,
                                 stop_tokens=self.stop_tokens, chosen=chosen.tolist() if fast else None)
         self.spec_counters.add(k, a)
-        if a < k:  # roll back to the last kept position
-            for i, c in enumerate(cache[:n]):
-                if i in states:
-                    conv, recurrent = states[i]
-                    c[0], c[1] = conv[:, a], recurrent[:, a]
-                else:
-                    c.trim(k - a)
+        model.rollback(cache, states, kept=a + 1, verified=k + 1)
         cache[-1][0] = hidden[:, a:a + 1]
         if a:
             s.lag = (drafts[:a], hidden[:, :a])

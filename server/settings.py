@@ -144,6 +144,9 @@ class GenerationSettings(_Section):
                       "forward; outputs are the same as without it (docs/speculative.md)")
     mtp_drafts: int = Field(1, ge=1, le=8, description="tokens the MTP head drafts per step (while one "
                             "sequence decodes; a batch of several decodes plainly)")
+    mtp_draft_vocab: int = Field(32768, ge=0, description="the MTP head drafts over this many of the most "
+                                 "frequent tokens (its cost is mostly the output head's rows); 0: the whole "
+                                 "vocabulary. Outputs do not depend on it")
 
 
 class FidelitySettings(_Section):

@@ -32,8 +32,38 @@ from ..models import kernels
 class Speculation:
     """`generation.mtp`: draft `drafts` tokens per step while one sequence decodes (a batch of
     several decodes plainly: their acceptance differs per row, and a batched step already reads
-    the weights once for all of them)."""
+    the weights once for all of them), over the `vocab` most frequent tokens (0: all)."""
     drafts: int = 1
+    vocab: int = 0
+
+
+DRAFT_VOCAB_DOCUMENTS = 400  # built-in calibration documents counted for the draft vocabulary
+
+
+def draft_vocabulary(tokenizer, size: int, documents: int = DRAFT_VOCAB_DOCUMENTS) -> list[int] | None:
+    """The `size` tokens most frequent in mixbit's built-in calibration text (chat, code and
+    tool calls, rendered through the model's chat template), plus every special token: the
+    vocabulary the MTP head drafts from (FR-Spec). None when that is the whole vocabulary."""
+    from collections import Counter
+
+    from ..quant.calibration import builtin_documents, render
+
+    vocab = len(tokenizer.get_vocab())
+    if size <= 0 or size >= vocab:
+        return None
+    counts: Counter = Counter()
+    for doc in builtin_documents(documents):
+        counts.update(tokenizer.encode(render(tokenizer, doc), add_special_tokens=False))
+    special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {}) | set(tokenizer.all_special_ids)
+    ids = set(sorted(special)[:size])
+    for t, _ in counts.most_common():
+        if len(ids) >= size:
+            break
+        ids.add(t)
+    rest = iter(range(vocab))  # short of `size`: the lowest ids (byte-level pieces, early merges)
+    while len(ids) < size:
+        ids.add(next(rest))
+    return sorted(ids)
 
 
 @dataclass

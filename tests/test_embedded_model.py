@@ -42,7 +42,16 @@ def test_tensor_names_shapes_and_dtypes(config, tensors, embedded_path):
     assert "model.language_model.embed_tokens.weight" in names
     # tied checkpoints (like Qwen3.5's small ones) carry the embedding only
     assert ("lm_head.weight" in names) == (not config["tie_word_embeddings"])
-    assert all(n == "lm_head.weight" or n.startswith("model.language_model.") for n in names)
+    assert all(n == "lm_head.weight" or n.startswith(("model.language_model.", "mtp.")) for n in names)
+    # the MTP head in the published layout, zero-centred norms as Qwen3.5 stores them
+    mtp = {n for n in names if n.startswith("mtp.")}
+    assert tc["mtp_num_hidden_layers"] == 1 and {"mtp.fc.weight", "mtp.norm.weight",
+                                                  "mtp.pre_fc_norm_embedding.weight",
+                                                  "mtp.pre_fc_norm_hidden.weight",
+                                                  "mtp.layers.0.self_attn.q_proj.weight"} <= mtp
+    assert tuple(tensors["mtp.fc.weight"].get_shape()) == (tc["hidden_size"], 2 * tc["hidden_size"])
+    with safe_open(str(embedded_path / "model.safetensors"), "pt") as f:
+        assert abs(f.get_tensor("mtp.norm.weight").float().mean().item()) < 0.5
     with safe_open(str(embedded_path / "model.safetensors"), "pt") as f:
         for i, kind in enumerate(tc["layer_types"]):
             p = f"model.language_model.layers.{i}."

@@ -73,6 +73,7 @@ def test_models_say_whether_drafting_is_on(servers):
     on = httpx.get(servers["on"].url + "/v1/models").json()["data"][0]["mixbit"]["speculative"]
     off = httpx.get(servers["off"].url + "/v1/models").json()["data"][0]["mixbit"]["speculative"]
     assert on["method"] == "mtp" and on["drafts"] == 3
+    assert on["draft_vocab"] == "all", "4,096 tokens: fewer than generation.mtp_draft_vocab"
     assert off["method"] is None and "generation.mtp" in off["reason"]
     text = httpx.get(servers["off"].url + "/metrics").text
     assert metric_value(text, "mixbit_spec_decode_num_drafts_total") == 0
@@ -178,3 +179,73 @@ def test_sampled_tokens_keep_the_models_distribution(loaded_tiny):
     stat = sum((sum(counts.get(t, 0) for t in ts) - p * n) ** 2 / (p * n) for ts, p in cells if p > 0)
     df = sum(1 for _, p in cells if p > 0) - 1
     assert _chi2_sf(stat, df) > 1e-3, f"chi2 {stat:.1f} on {df} degrees of freedom: {sorted(counts.items())}"
+
+
+def test_drafts_over_a_reduced_vocabulary(loaded_tiny):
+    """FR-Spec: the head drafts only the most frequent tokens (and every special token); the
+    output is the model's, token for token, whatever the drafts."""
+    import mlx.core as mx
+
+    from mixbit.models.chat.template import render_chat
+    from mixbit.server.batching import BatchLoop
+    from mixbit.server.speculative import SpecCounters, Speculation, draft_vocabulary
+
+    lm, model = loaded_tiny, loaded_tiny.model
+    ids = draft_vocabulary(lm.hf_tokenizer, 512)
+    assert len(ids) == 512 and set(lm.hf_tokenizer.all_special_ids) <= set(ids)
+    assert draft_vocabulary(lm.hf_tokenizer, 10**6) is None, "the whole vocabulary: no reduction"
+    prompts = [lm.tokenizer.encode(render_chat(lm.tokenizer, m, enable_thinking=False), add_special_tokens=False)
+               for m in (JOKE, PROMPT)]
+    hidden = mx.random.normal((1, 64, model.language_model.args.hidden_size))
+
+    def run(spec):
+        loop, out = BatchLoop(model, stop_tokens=sorted(lm.tokenizer.eos_token_ids), speculate=spec,
+                              counters=SpecCounters()), []
+        for p in prompts:
+            uid = loop.insert([p], 48)
+            tokens = []
+            while len(loop):
+                tokens += [g.token for g in loop.next()[1] if g.uid == uid]
+            out.append(tokens)
+        return out, loop.spec_counters
+
+    plain, _ = run(None)
+    full, full_counts = run(Speculation(drafts=2))
+    try:
+        model.set_draft_vocab(ids)
+        drafted = model.draft_tokens(hidden).tolist()[0]
+        assert set(drafted) <= set(ids)
+        reduced, reduced_counts = run(Speculation(drafts=2))
+    finally:
+        model.set_draft_vocab(None)
+    assert full == plain and reduced == plain
+    assert full_counts.drafts > 0 and reduced_counts.drafts > 0 and reduced_counts.accepted_tokens > 0
+    assert mx.array_equal(model.draft_tokens(hidden), mx.argmax(model.draft_logits(hidden), axis=-1)).item()
+
+
+@pytest.mark.parametrize("plan", ["auto", "packed"])
+def test_a_verify_step_computes_what_decode_steps_compute(embedded_path, plan):
+    """Bit for bit: each position of a step of four tokens (as a verify step runs it) has the
+    logits a one-token decode step gives it, on the served plan (mostly dense: BLAS products
+    run position by position) and on the packed kernels (whose rows never depend on how many
+    share a call). Greedy outputs with drafting are then the same tokens however close a tie."""
+    import mlx.core as mx
+
+    from mixbit.models.forward import DECODE
+    from mixbit.models.loading import load
+    from mixbit.models.registry import resolve
+
+    lm = load(resolve(str(embedded_path)), cpu_quantized=plan, cpu_activations="float32")
+    model = lm.model
+    prompt = lm.tokenizer.encode("The weather in Oslo is", add_special_tokens=False)
+    step = [11, 12, 13, 14]
+
+    def prefilled():
+        cache = model.make_cache()
+        model(mx.array([prompt]), cache=cache)
+        return cache
+
+    cache = prefilled()
+    one_by_one = mx.concatenate([model(mx.array([[t]]), cache=cache, phase=DECODE) for t in step], axis=1)
+    verified = model(mx.array([step]), cache=prefilled(), phase=DECODE, states={})
+    assert mx.array_equal(one_by_one, verified).item()

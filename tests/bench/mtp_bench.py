@@ -1,7 +1,7 @@
 """Self-speculative decoding with the MTP head, against plain decoding of the same model, in one run.
 
     .venv/bin/python tests/bench/mtp_bench.py [--shape embedded,0.8b] [--drafts 1,2] [--tokens 96]
-        [--acceptance 0.6,0.8,0.9] [--prompts 6]
+        [--acceptance 0.6,0.8,0.9] [--prompts 8] [--draft-vocab 32768]
 
 Rows, each on mixbit's own decode loop (server/batching.py) in this process, one sequence at a
 time (c=1), temperature 0, the decode rate counted from the first generated token to the last:
@@ -12,6 +12,8 @@ time (c=1), temperature 0, the decode rate counted from the first generated toke
   replay draft measures the machinery: the MTP head runs as usual (its cost is paid) and only
   its proposals are replaced by the tokens the plain run produced, each wrong at the rate 1 -
   acceptance (benchmark only; the served engine never replays);
+- at a real shape, each MTP row twice: the head drafting over the whole vocabulary and over the
+  --draft-vocab most frequent tokens (FR-Spec; the served default);
 - c=8 (eight prompts decoding together; drafting is off in a batch, but every step keeps the head's
   cache in step): the aggregate rate with MTP against without.
 
@@ -47,7 +49,9 @@ def load_shape(shape: str):
     if variant is None:
         raise SystemExit(f"no mixbit-auto variant of {folder} in {CACHE}: run "
                          f"tests/bench/kernel_serve_bench.py --shape {shape} --variants mixbit-auto first")
-    return load(resolve(str(folder)), path=variant, cpu_quantized="packed")
+    # the plan `mixbit serve` runs it on (measured once here, kept beside kernel_serve_bench's)
+    return load(resolve(str(folder)), path=variant, cpu_quantized="auto", cpu_activations="auto",
+                plan_dir=CACHE / "cpu-plans")
 
 
 def embedded_prompts(lm, n: int) -> list[list[int]]:
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
     from mixbit.models.blas import ensure_fast_blas
 
     ensure_fast_blas()
-    from mixbit.server.speculative import Speculation
+    from mixbit.server.speculative import Speculation, draft_vocabulary
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="embedded,0.8b")
@@ -126,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--acceptance", default="0.6,0.8,0.9")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="also draft over this many frequent tokens (generation.mtp_draft_vocab)")
     ap.add_argument("--c8", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
     drafts = [int(x) for x in args.drafts.split(",") if x]
@@ -141,15 +147,20 @@ def main(argv=None) -> int:
         base, base_rate, _ = decode(lm, prompts, args.tokens, stops)
         rows.append((shape, "plain", "-", "-", base_rate, 1.0, "-"))
         vocab = lm.model.language_model.args.vocab_size
+        draft_vocabs = [0] + [v for v in (args.draft_vocab,) if 0 < v < vocab]
         for k in drafts:
             accs = [None] if shape == "embedded" else [float(a) for a in args.acceptance.split(",")]
-            for acc in accs:
-                replay = None if acc is None else make_replay(base, acc, vocab)
-                toks, rate, c = decode(lm, prompts, args.tokens, stops, Speculation(drafts=k), replay)
-                same = sum(a == b for a, b in zip(toks, base))
-                label = f"{c.acceptance:.2f}" + ("" if acc is None else f" (replay {acc})")
-                rows.append((shape, f"mtp k={k}", label, "/".join(str(x) for x in c.accepted_per_position),
-                             rate, rate / base_rate, f"{same}/{len(base)}"))
+            for dv in draft_vocabs:
+                lm.model.set_draft_vocab(draft_vocabulary(lm.hf_tokenizer, dv) if dv else None)
+                for acc in accs:
+                    replay = None if acc is None else make_replay(base, acc, vocab)
+                    toks, rate, c = decode(lm, prompts, args.tokens, stops, Speculation(drafts=k), replay)
+                    same = sum(a == b for a, b in zip(toks, base))
+                    label = f"{c.acceptance:.2f}" + ("" if acc is None else f" (replay {acc})")
+                    how = f"mtp k={k}, drafts over {dv if dv else 'all'} tokens"
+                    rows.append((shape, how, label, "/".join(str(x) for x in c.accepted_per_position),
+                                 rate, rate / base_rate, f"{same}/{len(base)}"))
+            lm.model.set_draft_vocab(None)
         if args.c8:
             n8 = max(8, len(prompts) // 8 * 8)
             p8 = (prompts * 8)[:n8]
