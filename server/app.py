@@ -16,6 +16,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from mixbit.models.blas import release_free_memory
 from mixbit.models.chat.grammar import GrammarEngine
+from mixbit.models.forward.plan import plan_path
+from mixbit.models.kernels import SMALL
 from mixbit.models.loading import load
 from mixbit.models.registry import ModelSourceError, resolve
 from mixbit.quant.progress import Progress
@@ -28,7 +30,7 @@ from .metrics import Metrics
 from .middleware import CatchAll, CheckBody, CountRequests
 from .routes import ROUTERS
 from .settings import Settings
-from .speculative import Speculation, draft_vocabulary
+from .speculative import Speculation, crossover, draft_vocabulary
 from .state import ServerState
 
 log = logging.getLogger("mixbit.server")
@@ -96,7 +98,25 @@ def follow(settings: Settings, group) -> int:
 def speculation(s) -> Speculation | None:
     """`generation.mtp*`: drafting with the checkpoint's MTP head (server/speculative.py)."""
     g = s.generation
-    return Speculation(drafts=g.mtp_drafts, vocab=g.mtp_draft_vocab) if g.mtp else None
+    return Speculation(drafts=g.mtp_drafts, vocab=g.mtp_draft_vocab) if g.mtp is not False else None
+
+
+def decide_speculation(s, model, hf_tokenizer, folder, group) -> tuple[Speculation | None, dict | None]:
+    """The drafting a variant is served with, and (with `generation.mtp = "auto"`) the measured
+    crossover it was decided by: drafting where a drafting step pays at the expected acceptance
+    on this machine, measured once per variant and kept beside its CPU plan."""
+    spec = speculation(s) if group is None or group.size() == 1 else None
+    if spec is None or getattr(model, "mtp", None) is None:
+        return spec, None
+    draft_over(model, hf_tokenizer, spec)
+    if s.generation.mtp != "auto":
+        return spec, None
+    plan = plan_path(plan_dir(s), folder, s.generation.cpu_quantized, s.generation.cpu_activations, SMALL)
+    measured = crossover(model, spec.drafts, plan.with_name(plan.stem + "-mtp.json"))
+    log.info("MTP drafting %s: a drafting step %.1f ms against %.1f plain, breaks even at acceptance %s",
+             "on" if measured["pays"] else "off", measured["drafting_step_ms"], measured["plain_step_ms"],
+             measured["break_even_acceptance"])
+    return (spec if measured["pays"] else None), measured
 
 
 def draft_over(model, hf_tokenizer, spec: Speculation | None) -> None:
@@ -106,17 +126,20 @@ def draft_over(model, hf_tokenizer, spec: Speculation | None) -> None:
         model.set_draft_vocab(draft_vocabulary(hf_tokenizer, spec.vocab))
 
 
-def speculative_card(engine: Engine, model) -> dict:
+def speculative_card(engine: Engine, model, measured: dict | None = None) -> dict:
     """What /v1/models says of drafting: on (the MTP head drafts `drafts` tokens a step while one
-    sequence decodes), or off and why."""
+    sequence decodes), or off and why; with the measured crossover where "auto" decided."""
     if getattr(model, "mtp", None) is None:
         return {"method": None, "reason": "the checkpoint has no MTP head"}
     if engine.speculate is None:
-        return {"method": None, "reason": "generation.mtp is off" if engine.group is None
-                else "not across distributed ranks"}
+        reason = ("not across distributed ranks" if engine.group is not None else
+                  "generation.mtp is off" if measured is None else
+                  "generation.mtp is auto and drafting measured slower here")
+        return {"method": None, "reason": reason, **({"crossover": measured} if measured else {})}
     vocab = getattr(model, "draft_vocab", None)
     return {"method": "mtp", "drafts": engine.speculate.drafts, "max_batch": 1,
-            "draft_vocab": int(vocab.ids.size) if vocab is not None else "all"}
+            "draft_vocab": int(vocab.ids.size) if vocab is not None else "all",
+            **({"crossover": measured} if measured else {})}
 
 
 class StartupRefused(RuntimeError):
@@ -223,15 +246,14 @@ def start_loading(state: ServerState) -> threading.Thread:
                                             # how each layer shape runs on the CPU (docs/cpu-serving.md)
                                             **({"cpu_plan": lm.cpu_plan} if lm.cpu_plan else {})})
                 itl = state.metrics.itl.labels(v.variant).observe if state.metrics else None
-                spec = speculation(s) if state.group is None or state.group.size() == 1 else None
-                draft_over(lm.model, lm.hf_tokenizer, spec)
+                spec, measured = decide_speculation(s, lm.model, lm.hf_tokenizer, variant.path, state.group)
                 v.engine = Engine(lm.model, lm.tokenizer, max_batch=s.server.max_concurrent_sequences,
                                   prefill_tokens=s.server.prefill_tokens,
                                   cache_entries=s.server.prefix_cache_entries,
                                   cache_bytes=s.server.prefix_cache_bytes, model_key=served_id,
                                   on_token_gap=itl, group=state.group, grammar_engine=grammar,
                                   speculate=spec)
-                v.provenance["speculative"] = speculative_card(v.engine, lm.model)
+                v.provenance["speculative"] = speculative_card(v.engine, lm.model, measured)
                 v.engine.start()
                 if state.metrics is not None:
                     state.metrics.set_variant(v.variant, v.provenance)

@@ -14,7 +14,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -139,9 +139,13 @@ class GenerationSettings(_Section):
     seed: int = 0
     tool_grammar: bool = Field(True, description="under tool_choice auto, tool calls may only "
                                "name offered functions (strict ones follow their schema)")
-    mtp: bool = Field(True, description="self-speculative decoding with the checkpoint's own MTP head "
-                      "(where it has one): the head drafts, the model verifies several tokens in one "
-                      "forward; outputs are the same as without it (docs/speculative.md)")
+    mtp: Union[bool, Literal["auto"]] = Field("auto", description="self-speculative decoding with the "
+                                             "checkpoint's own MTP head (where it has one): the head drafts, "
+                                             "the model verifies several tokens in one forward; outputs are the "
+                                             "same as without it. \"auto\": where a drafting step measured "
+                                             "faster per token at the expected acceptance, on this machine and "
+                                             "variant (measured once, kept beside the CPU plan; "
+                                             "docs/speculative.md)")
     mtp_drafts: int = Field(1, ge=1, le=8, description="tokens the MTP head drafts per step (while one "
                             "sequence decodes; a batch of several decodes plainly)")
     mtp_draft_vocab: int = Field(32768, ge=0, description="the MTP head drafts over this many of the most "

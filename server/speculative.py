@@ -21,7 +21,11 @@ every position distributed exactly as p (a one-hot draft in the standard rejecti
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -35,6 +39,74 @@ class Speculation:
     the weights once for all of them), over the `vocab` most frequent tokens (0: all)."""
     drafts: int = 1
     vocab: int = 0
+
+
+# `generation.mtp = "auto"` drafts where a step that drafts pays at this acceptance (llama.cpp's
+# author measured 0.79 for Qwen3.5's own head; the embedded model's head holds 0.81 teacher-forced)
+EXPECTED_ACCEPTANCE = 0.75
+CROSSOVER_VERSION = 1
+
+
+def tokens_per_step(acceptance: float, drafts: int) -> float:
+    """Expected tokens a step yields with `drafts` drafts, each kept with `acceptance` after a
+    kept one (1 + a + a^2 + ... + a^k)."""
+    return sum(acceptance ** j for j in range(drafts + 1))
+
+
+def measure_crossover(model, drafts: int, context: int = 64, steps: int = 12) -> dict:
+    """Times, on this machine and model, the decode loop's steps of one sequence (a synthetic
+    one of `context` tokens) without drafting and with `drafts` drafts a step: each step as the
+    engine runs it (forward, logprobs, sampling, the loop's own work). Returns both medians, the
+    acceptance at which drafting breaks even, and whether it pays at EXPECTED_ACCEPTANCE."""
+    import statistics
+    import time
+
+    from .batching import BatchLoop
+
+    prompt = [(7 * i + 3) % 1000 + 10 for i in range(context)]
+
+    def median_ms(spec) -> float:
+        loop = BatchLoop(model, stop_tokens=[], speculate=spec, max_batch=1)
+        loop.insert([prompt], (steps + 4) * (drafts + 1))
+        for _ in range(3):  # the prompt, then warm-up steps
+            loop.next()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            loop.next()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    plain_ms, spec_ms = median_ms(None), median_ms(Speculation(drafts=drafts))
+    ratio = spec_ms / plain_ms
+    even = next((a / 100 for a in range(0, 101) if tokens_per_step(a / 100, drafts) >= ratio), None)
+    return {"version": CROSSOVER_VERSION, "drafts": drafts, "plain_step_ms": round(plain_ms, 2),
+            "drafting_step_ms": round(spec_ms, 2), "break_even_acceptance": even,
+            "expected_acceptance": EXPECTED_ACCEPTANCE,
+            "pays": tokens_per_step(EXPECTED_ACCEPTANCE, drafts) > ratio}
+
+
+def crossover(model, drafts: int, path: Path | None) -> dict:
+    """`measure_crossover`, kept at `path` (beside the variant's CPU plan) and read back at every
+    later start, so two starts of a variant on one machine decide alike."""
+    if path is not None and path.is_file():
+        try:
+            found = json.loads(path.read_text())
+            if found.get("version") == CROSSOVER_VERSION and found.get("drafts") == drafts:
+                return {**found, "source": "cached"}
+        except (OSError, ValueError):
+            pass
+    found = measure_crossover(model, drafts)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".mtp-", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(found, f, indent=1)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return {**found, "source": "measured"}
 
 
 DRAFT_VOCAB_DOCUMENTS = 400  # built-in calibration documents counted for the draft vocabulary

@@ -27,11 +27,12 @@ JOKE = [{"role": "user", "content": "Tell me a joke."}]  # the first token is "W
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """The embedded model served twice, on the same plan: drafting 3 tokens a step, and off."""
+    """The embedded model served three times, on the same plan: drafting 3 tokens a step, off,
+    and as configured (generation.mtp = "auto")."""
     out = {}
     try:
         for name, mtp in (("on", ("generation.mtp=true", "generation.mtp_drafts=3")),
-                          ("off", ("generation.mtp=false",))):
+                          ("off", ("generation.mtp=false",)), ("auto", ())):
             out[name] = ServerProcess("server.request_timeout_s=120", *PLAN, *mtp, recipe="bf16",
                                       cache_dir=str(tmp_path_factory.mktemp(f"spec-{name}")))
         for s in out.values():
@@ -77,6 +78,13 @@ def test_models_say_whether_drafting_is_on(servers):
     assert off["method"] is None and "generation.mtp" in off["reason"]
     text = httpx.get(servers["off"].url + "/metrics").text
     assert metric_value(text, "mixbit_spec_decode_num_drafts_total") == 0
+    # "auto": on or off as the crossover measured on this machine, which the card shows
+    auto = httpx.get(servers["auto"].url + "/v1/models").json()["data"][0]["mixbit"]["speculative"]
+    measured = auto["crossover"]
+    assert measured["plain_step_ms"] > 0 and measured["drafting_step_ms"] > 0
+    assert (auto["method"] == "mtp") == measured["pays"]
+    if not measured["pays"]:
+        assert "measured slower" in auto["reason"]
 
 
 @pytest.mark.parametrize("case", ["penalties", "stream_stop", "logprobs_long"])
@@ -249,3 +257,22 @@ def test_a_verify_step_computes_what_decode_steps_compute(embedded_path, plan):
     one_by_one = mx.concatenate([model(mx.array([[t]]), cache=cache, phase=DECODE) for t in step], axis=1)
     verified = model(mx.array([step]), cache=prefilled(), phase=DECODE, states={})
     assert mx.array_equal(one_by_one, verified).item()
+
+
+def test_auto_decides_once_per_variant_and_machine(loaded_tiny, tmp_path):
+    """generation.mtp = "auto": the decode loop's steps timed without and with drafts, the
+    decision kept beside the CPU plan and read back by later starts (so they decide alike), and
+    the decision follows from the two medians (whichever way the timing went on this machine)."""
+    from mixbit.server.speculative import EXPECTED_ACCEPTANCE, crossover, tokens_per_step
+
+    path = tmp_path / "plan-mtp.json"
+    first = crossover(loaded_tiny.model, 2, path)
+    assert first["source"] == "measured" and path.is_file()
+    assert first["plain_step_ms"] > 0 and first["drafting_step_ms"] > 0
+    ratio = first["drafting_step_ms"] / first["plain_step_ms"]
+    assert first["pays"] == (tokens_per_step(EXPECTED_ACCEPTANCE, 2) > ratio)
+    again = crossover(loaded_tiny.model, 2, path)
+    assert again["source"] == "cached" and {k: v for k, v in again.items() if k != "source"} == \
+        {k: v for k, v in first.items() if k != "source"}
+    assert crossover(loaded_tiny.model, 1, path)["source"] == "measured", "another draft count is measured anew"
+
