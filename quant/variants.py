@@ -180,8 +180,8 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
             _record_awq(manifest, result.awq, stream.prefix)
         if result.mtp:
             manifest["mtp"] = {"kept": True, "tensors": result.mtp,
-                               "note": "the MTP head, quantized like its tensor class; mlx-lm "
-                                       "drops it on load, self-speculative decoding can use it"}
+                               "note": "the MTP head (its linears at quant/writer.MTP_FORMAT, chosen by "
+                                       "measuring acceptance); mlx-lm drops it on load, mixbit drafts with it"}
         prog.stage("finishing", 0, "checksums and rename")
         manifest["seconds"] = round(time.time() - started, 1)
         manifest["stages_s"] = dict(prog.stage_seconds)

@@ -141,7 +141,10 @@ def test_moe_fixture_quantizes_loads_in_stock_mlx_lm_and_serves(tmp_path, tiny_m
     index = json.loads((v.path / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(k.startswith("mtp.") for k in index)  # the MTP head is kept
     assert not any("visual" in k for k in index)  # the vision tower is not
-    assert recipe["mtp"]["kept"] and any(f != "as stored" for f in recipe["mtp"]["tensors"].values())
+    assert recipe["mtp"]["kept"]
+    heads = recipe["mtp"]["tensors"]  # the head's linears at the format measured for it, gates as stored
+    assert {f for n, f in heads.items() if n.endswith("proj.weight") or n == "mtp.fc.weight"} == {"q6g64"}
+    assert all(f == "as stored" for n, f in heads.items() if "norm" in n or n.endswith("mlp.gate.weight"))
     model, tok = load(str(v.path))  # stock mlx-lm (its sanitize drops mtp.* on load)
     assert isinstance(generate(model, tok, "Hello", max_tokens=4), str)
     s = ServerProcess(f"model.source='{tiny_moe}'", f"model.cache_dir='{tmp_path}'",
