@@ -276,3 +276,30 @@ def test_auto_decides_once_per_variant_and_machine(loaded_tiny, tmp_path):
         {k: v for k, v in first.items() if k != "source"}
     assert crossover(loaded_tiny.model, 1, path)["source"] == "measured", "another draft count is measured anew"
 
+
+
+def test_a_verify_step_never_takes_the_prompt_path(embedded_path):
+    """A plan whose packed projections take the prompt path from 2 rows (a measured plan at a
+    real shape does from 4): a verify step still runs each position on the decode kernels, bit
+    for bit a decode step."""
+    import mlx.core as mx
+
+    from mixbit.models.forward import DECODE
+    from mixbit.models.forward.layers import is_packed
+    from mixbit.models.loading import load
+    from mixbit.models.registry import resolve
+
+    lm = load(resolve(str(embedded_path)), cpu_quantized="packed", cpu_activations="int16")
+    model = lm.model
+    packed = [m for _, m in model.named_modules() if is_packed(m)]
+    assert packed
+    for m in packed:
+        m.prompt_from_rows = 2
+    prompt = lm.tokenizer.encode("The weather in Oslo is", add_special_tokens=False)
+    step = [11, 12, 13, 14]
+    caches = [model.make_cache(), model.make_cache()]
+    for cache in caches:
+        model(mx.array([prompt]), cache=cache)
+    one_by_one = mx.concatenate([model(mx.array([[t]]), cache=caches[0], phase=DECODE) for t in step], axis=1)
+    verified = model(mx.array([step]), cache=caches[1], phase=DECODE, states={})
+    assert mx.array_equal(one_by_one, verified).item()

@@ -94,8 +94,14 @@ class _Packed(Projection):
     def _lazy(self, x, phase: str) -> bool:
         return self.head and phase == PREFILL
 
+    def _many(self, x, phase: str) -> bool:
+        """Whether a call takes the prompt path: many rows, except in a decode step of several
+        positions per sequence (a verify step), whose every row must be what a one-position
+        decode step computes."""
+        return rows(x) >= self.prompt_from_rows and not (phase == DECODE and x.ndim == 3 and x.shape[1] > 1)
+
     def _mlx(self, x, phase: str) -> bool:
-        return phase == TRAIN or (rows(x) >= self.prompt_from_rows and self.prompt_mode is None)
+        return phase == TRAIN or (self.prompt_mode is None and self._many(x, phase))
 
     def on_kernels(self, x, phase: str) -> bool:
         return not (self._lazy(x, phase) or self._mlx(x, phase))
@@ -105,7 +111,7 @@ class _Packed(Projection):
         8-bit activations only inside the layers of a prefill: a decode batch, an output head
         and scoring take PANEL's 16-bit ones, so a token's logits do not depend on how many
         requests share its step."""
-        if rows(x) >= self.prompt_from_rows and self.prompt_mode is not None:
+        if self.prompt_mode is not None and self._many(x, phase):
             if self.prompt_mode == PANEL8 and (self.head or phase != PREFILL):
                 return PANEL
             return self.prompt_mode
