@@ -343,8 +343,9 @@ class BatchLoop:
         pending = cache[-1][0]
         if pending is None:
             pending = mx.zeros((1, 1, model.language_model.args.hidden_size))
-        prev = pending if lag_prev is None else mx.concatenate([lag_prev, pending], axis=1)
-        hidden = model.mtp_pairs(mx.array([lag_tokens + [first]]), prev, cache, DECODE)[:, -1:]
+        if lag_tokens:  # the kept drafts' pairs: into the head's cache only
+            model.mtp_remember(mx.array([lag_tokens]), lag_prev, cache, DECODE)
+        hidden = model.mtp_pairs(mx.array([[first]]), pending, cache, DECODE)
         drafts = []
         for j in range(k):  # the head's own hidden state carries each draft to the next
             token = model.draft_tokens(hidden[:, -1:], DECODE)
@@ -388,7 +389,7 @@ class BatchLoop:
         if s.lag is not None:
             tokens, prev = s.lag
             s.lag = None
-            self.model.mtp_pairs(mx.array([tokens]), prev, cache, DECODE)
+            self.model.mtp_remember(mx.array([tokens]), prev, cache, DECODE)
 
     def _keep_decoding(self, keep: list[int]) -> None:
         self._decoding = [self._decoding[i] for i in keep]

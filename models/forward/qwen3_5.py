@@ -279,6 +279,15 @@ class Attention(nn.Module):
         return project(self.o_proj, out * mx.sigmoid(gate), phase)
 
 
+    def remember(self, x: mx.array, cache, phase: str) -> None:
+        """Only the keys and values of `x` into `cache` (what a call would add to it, without
+        its queries and output): positions later queries attend to, nobody reads now."""
+        B, L, _ = x.shape
+        keys, values = project(self.k_proj, x, phase), project(self.v_proj, x, phase)
+        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        cache.update_and_fetch(self.rope(keys, offset=cache.offset), values)
+
     def _rows(self, queries, keys, values, cache, mask):
         """A decode step of several positions per sequence (a verify step): each position as
         the one-position step that would have computed it (the same keys, the same call), so
@@ -441,6 +450,19 @@ class MTP(nn.Module):
         return self.norm(h)
 
 
+    def remember(self, embeddings, hidden, cache, phase: str | None = None) -> None:
+        """What `__call__` leaves in the head's caches, without its outputs: the last layer
+        only stores its keys and values (the head follows the model this way; its outputs are
+        needed only where it drafts)."""
+        x = mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        phase = phase_of(x, phase)
+        h = project(self.fc, x, phase)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers[:-1], cache):
+            h = layer(h, mask=mask, cache=c, phase=phase)
+        self.layers[-1].self_attn.remember(self.layers[-1].input_layernorm(h), cache[len(self.layers) - 1], phase)
+
+
 class LanguageModel(nn.Module):
     """The text model and its output head (mlx-lm's `TextModel`), and the MTP head where the
     checkpoint has one (`mtp_layers`: decided by `Model.sanitize` from the weights)."""
@@ -536,6 +558,12 @@ class Model(nn.Module):
         emb = self.model.embed_tokens(tokens)
         return self.mtp(emb.astype(hidden.dtype), hidden, cache=cache[n:n + len(self.mtp.layers)], phase=phase)
 
+    def mtp_remember(self, tokens, hidden, cache, phase: str | None = None) -> None:
+        """`mtp_pairs` for the head's caches only (no outputs)."""
+        n = len(self.layers)
+        emb = self.model.embed_tokens(tokens)
+        self.mtp.remember(emb.astype(hidden.dtype), hidden, cache[n:n + len(self.mtp.layers)], phase)
+
     def draft_logits(self, hidden, phase: str | None = None):
         return self.language_model.head(hidden, phase_of(hidden, phase))
 
@@ -569,7 +597,7 @@ class Model(nn.Module):
         B, T, H = hidden.shape
         before = pending[0] if pending[0] is not None else mx.zeros((B, 1, H), hidden.dtype)
         prev = mx.concatenate([before.astype(hidden.dtype), hidden[:, :-1]], axis=1) if T > 1 else before
-        self.mtp_pairs(tokens, prev, cache, phase)
+        self.mtp_remember(tokens, prev, cache, phase)
         if lengths is None:
             pending[0] = hidden[:, -1:]
         else:
