@@ -112,7 +112,11 @@ def decide_speculation(s, model, hf_tokenizer, folder, group) -> tuple[Speculati
     if s.generation.mtp != "auto":
         return spec, None
     plan = plan_path(plan_dir(s), folder, s.generation.cpu_quantized, s.generation.cpu_activations, SMALL)
-    measured = crossover(model, spec.drafts, plan.with_name(plan.stem + "-mtp.json"))
+    try:
+        measured = crossover(model, spec.drafts, plan.with_name(plan.stem + "-mtp.json"), spec.vocab)
+    except Exception as exc:  # a measurement that fails never stops start-up: serve without drafts
+        log.warning("MTP drafting off: its crossover could not be measured (%s)", exc)
+        return None, {"error": str(exc), "pays": False}
     log.info("MTP drafting %s: a drafting step %.1f ms against %.1f plain, breaks even at acceptance %s",
              "on" if measured["pays"] else "off", measured["drafting_step_ms"], measured["plain_step_ms"],
              measured["break_even_acceptance"])
@@ -134,6 +138,7 @@ def speculative_card(engine: Engine, model, measured: dict | None = None) -> dic
     if engine.speculate is None:
         reason = ("not across distributed ranks" if engine.group is not None else
                   "generation.mtp is off" if measured is None else
+                  "generation.mtp is auto and its crossover could not be measured" if "error" in measured else
                   "generation.mtp is auto and drafting measured slower here")
         return {"method": None, "reason": reason, **({"crossover": measured} if measured else {})}
     vocab = getattr(model, "draft_vocab", None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -62,6 +62,7 @@ class _Seq:
     generated: int = 0
     draws: object = None  # the sampler the speculative step draws through (None: not sampled)
     lag: tuple | None = None  # (kept drafts, the hidden states before them) the MTP head owes
+    follow: list = field(default_factory=list)  # (token, hidden state) of batched steps it owes
 
 
 def _merge(caches: list[list]) -> list:
@@ -259,7 +260,11 @@ class BatchLoop:
         """Logits of one position per sequence -> processors -> normalised -> sampled."""
         if self.spec:
             logits, hidden = self.model(inputs[:, None], cache=cache, phase=DECODE, return_hidden=True)
-            self.model.mtp_follow(inputs[:, None], hidden, cache, DECODE)
+            if len(seqs) == 1:
+                self.model.mtp_follow(inputs[:, None], hidden, cache, DECODE)
+            else:  # a batch does not draft: each sequence's pairs wait for it to decode alone or finish
+                for e, s in enumerate(seqs):
+                    s.follow.append((inputs[e:e + 1], hidden[e:e + 1]))
             logits = logits[:, -1, :]
         else:
             logits = self.model(inputs[:, None], cache=cache, phase=DECODE)[:, -1, :]
@@ -310,8 +315,9 @@ class BatchLoop:
         reason = "stop" if token in self.stop_tokens else "length" if s.generated >= s.max_tokens else None
         if reason is None:
             return Generated(s.uid, token, logprobs, None)
-        self._settle(s, self._dcache)  # (only a lone sequence has a lag)
-        return Generated(s.uid, token, logprobs, reason, [c.extract(i) for c in self._dcache], list(s.tokens))
+        cache = [c.extract(i) for c in self._dcache]
+        self._settle(s, cache)  # the head's cache complete in the prefix cache too
+        return Generated(s.uid, token, logprobs, reason, cache, list(s.tokens))
 
     def _mtp_state(self, cache) -> list:
         return self.model.mtp_state(cache) if self.spec and cache else []
@@ -338,13 +344,10 @@ class BatchLoop:
             mx.async_eval(self._next_tokens, self._next_logprobs, ctx, self._mtp_state(cache))
             return out
         model, n = self.model, len(self.model.layers)
-        lag_tokens, lag_prev = s.lag or ([], None)
-        s.lag = None
+        self._settle(s, cache)  # the pairs it owes (kept drafts, batched steps) first
         pending = cache[-1][0]
         if pending is None:
             pending = mx.zeros((1, 1, model.language_model.args.hidden_size))
-        if lag_tokens:  # the kept drafts' pairs: into the head's cache only
-            model.mtp_remember(mx.array([lag_tokens]), lag_prev, cache, DECODE)
         hidden = model.mtp_pairs(mx.array([[first]]), pending, cache, DECODE)
         drafts = []
         for j in range(k):  # the head's own hidden state carries each draft to the next
@@ -384,12 +387,18 @@ class BatchLoop:
         return out
 
     def _settle(self, s: _Seq, cache: list) -> None:
-        """The head takes the pairs of a sequence's kept drafts it has not seen yet (before its
-        cache leaves the loop or joins a batch)."""
+        """The head takes the pairs of a sequence it has not seen yet, into the sequence's own
+        (one-row) `cache`: its kept drafts, or the steps it decoded in a batch, in one call
+        (before it drafts, joins a batch, or its cache leaves the loop)."""
         if s.lag is not None:
             tokens, prev = s.lag
             s.lag = None
             self.model.mtp_remember(mx.array([tokens]), prev, cache, DECODE)
+        if s.follow:
+            tokens = mx.concatenate([t for t, _ in s.follow])[None]
+            hidden = mx.concatenate([h for _, h in s.follow], axis=1)
+            s.follow = []
+            self.model.mtp_follow(tokens, hidden, cache, DECODE)
 
     def _keep_decoding(self, keep: list[int]) -> None:
         self._decoding = [self._decoding[i] for i in keep]

@@ -86,17 +86,19 @@ def measure_crossover(model, drafts: int, context: int = 64, steps: int = 12) ->
             "pays": tokens_per_step(EXPECTED_ACCEPTANCE, drafts) > ratio}
 
 
-def crossover(model, drafts: int, path: Path | None) -> dict:
+def crossover(model, drafts: int, path: Path | None, vocab: int = 0) -> dict:
     """`measure_crossover`, kept at `path` (beside the variant's CPU plan) and read back at every
-    later start, so two starts of a variant on one machine decide alike."""
+    later start with the same drafts and draft vocabulary (`vocab`, as the settings say), so two
+    starts of a variant on one machine decide alike."""
     if path is not None and path.is_file():
         try:
             found = json.loads(path.read_text())
-            if found.get("version") == CROSSOVER_VERSION and found.get("drafts") == drafts:
+            if (found.get("version"), found.get("drafts"), found.get("draft_vocab")) == \
+                    (CROSSOVER_VERSION, drafts, vocab):
                 return {**found, "source": "cached"}
         except (OSError, ValueError):
             pass
-    found = measure_crossover(model, drafts)
+    found = {**measure_crossover(model, drafts), "draft_vocab": vocab}
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

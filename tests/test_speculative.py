@@ -275,6 +275,7 @@ def test_auto_decides_once_per_variant_and_machine(loaded_tiny, tmp_path):
     assert again["source"] == "cached" and {k: v for k, v in again.items() if k != "source"} == \
         {k: v for k, v in first.items() if k != "source"}
     assert crossover(loaded_tiny.model, 1, path)["source"] == "measured", "another draft count is measured anew"
+    assert crossover(loaded_tiny.model, 1, path, vocab=512)["source"] == "measured", "so is another draft vocabulary"
 
 
 
@@ -303,3 +304,37 @@ def test_a_verify_step_never_takes_the_prompt_path(embedded_path):
     one_by_one = mx.concatenate([model(mx.array([[t]]), cache=caches[0], phase=DECODE) for t in step], axis=1)
     verified = model(mx.array([step]), cache=caches[1], phase=DECODE, states={})
     assert mx.array_equal(one_by_one, verified).item()
+
+
+def test_the_head_catches_up_after_a_batch(loaded_tiny):
+    """Two sequences decode together (no drafts), then one goes on alone and drafts: the head
+    takes the pairs of the batched steps in one call first, so its cache holds every position
+    the model's does (in the finished sequences' caches too), drafts are accepted, and the
+    tokens are those without drafting."""
+    from mixbit.models.chat.template import render_chat
+    from mixbit.server.batching import BatchLoop
+    from mixbit.server.speculative import SpecCounters, Speculation
+
+    lm, model = loaded_tiny, loaded_tiny.model
+    prompts = [lm.tokenizer.encode(render_chat(lm.tokenizer, m, enable_thinking=False), add_special_tokens=False)
+               for m in (JOKE, [{"role": "user", "content": "Write a short poem about the sea."}])]
+    full = next(i for i, layer in enumerate(model.layers) if not layer.is_linear)
+
+    def run(spec):
+        loop = BatchLoop(model, stop_tokens=[], speculate=spec, counters=SpecCounters())
+        uids = [loop.insert([prompts[0]], 12), loop.insert([prompts[1]], 40)]
+        out, caches = {u: [] for u in uids}, {}
+        while len(loop):
+            for g in loop.next()[1]:
+                out[g.uid].append(g.token)
+                if g.finish_reason:
+                    caches[g.uid] = g.prompt_cache
+        return [out[u] for u in uids], [caches[u] for u in uids], loop.spec_counters
+
+    plain, _, _ = run(None)
+    tokens, caches, counters = run(Speculation(drafts=2))
+    assert tokens == plain
+    assert counters.drafts > 0 and counters.accepted_tokens > 0, "the sequence left alone drafted"
+    for cache in caches:
+        assert model.has_mtp_cache(cache)
+        assert cache[len(model.layers)].offset == cache[full].offset, "the head saw every position"
