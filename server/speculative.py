@@ -30,6 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..models import kernels
+from .sampling import greedy
 
 
 @dataclass
@@ -180,7 +181,7 @@ def accept(rows: mx.array, drafts: list[int], *, sampler, processors=(), context
     `chosen`: the rows' argmax, where the caller evaluated it with the forward (greedy, no
     processors)."""
     k = len(drafts)
-    if not processors and sampler is _greedy():  # the plain case at once: argmax of every row
+    if not processors and sampler is greedy:  # the plain case at once: argmax of every row
         logprobs = normalise(rows)
         if chosen is None:
             chosen = mx.argmax(rows, axis=-1).tolist()
@@ -203,7 +204,7 @@ def accept(rows: mx.array, drafts: list[int], *, sampler, processors=(), context
         if j == k:
             return k, int(sampler(logprobs).item()), kept
         d = drafts[j]
-        if sampler is _greedy():
+        if sampler is greedy:
             token = int(mx.argmax(logprobs, axis=-1).item())
             if token != d:
                 return j, token, kept
@@ -217,9 +218,3 @@ def accept(rows: mx.array, drafts: list[int], *, sampler, processors=(), context
             return j + 1, None, kept
         previous = d
     raise AssertionError("unreachable")
-
-
-def _greedy():
-    from .sampling import greedy
-
-    return greedy

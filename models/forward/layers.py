@@ -54,6 +54,17 @@ def is_packed(module) -> bool:
     return isinstance(module, _Packed)
 
 
+def verifying(x, phase: str) -> bool:
+    """Whether a call is a decode step of several positions per sequence (a verify step): each
+    of its positions must compute, bit for bit, what a one-position decode step computes."""
+    return phase == DECODE and x.ndim == 3 and x.shape[1] > 1
+
+
+def per_position(fn, x):
+    """fn over x [B, T, ...] one position at a time (what T one-position calls compute)."""
+    return mx.concatenate([fn(x[:, t:t + 1]) for t in range(x.shape[1])], axis=1)
+
+
 def project(module, x, phase: str):
     """module(x) for a projection of the forward: mixbit's take the phase, MLX's (a model that
     was loaded but not built from a plan, e.g. for quantization) do not need it. A decode step
@@ -61,8 +72,8 @@ def project(module, x, phase: str):
     other than the packed kernels (whose rows never depend on how many share a call): a BLAS
     product rounds differently for one row and for several, and each position must compute
     what a one-position decode step computes."""
-    if phase == DECODE and x.ndim == 3 and x.shape[1] > 1 and not isinstance(module, _Packed):
-        return mx.concatenate([project(module, x[:, t:t + 1], phase) for t in range(x.shape[1])], axis=1)
+    if verifying(x, phase) and not isinstance(module, _Packed):
+        return per_position(lambda xt: project(module, xt, phase), x)
     return module(x, phase) if isinstance(module, Projection) else module(x)
 
 
@@ -98,7 +109,7 @@ class _Packed(Projection):
         """Whether a call takes the prompt path: many rows, except in a decode step of several
         positions per sequence (a verify step), whose every row must be what a one-position
         decode step computes."""
-        return rows(x) >= self.prompt_from_rows and not (phase == DECODE and x.ndim == 3 and x.shape[1] > 1)
+        return rows(x) >= self.prompt_from_rows and not verifying(x, phase)
 
     def _mlx(self, x, phase: str) -> bool:
         return phase == TRAIN or (self.prompt_mode is None and self._many(x, phase))

@@ -35,8 +35,8 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import kernels
 from .gated_delta_chunked import MIN_TOKENS, chunked_gated_delta
-from .layers import (DECODE, TRAIN, PackedEmbedding, PackedLinear, Projection, dense, head_rows, mlx_quantized,
-                     phase_of, project)
+from .layers import (TRAIN, PackedEmbedding, PackedLinear, Projection, dense, head_rows, mlx_quantized,
+                     per_position, phase_of, project, verifying)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
@@ -129,10 +129,9 @@ class GatedDeltaNet(nn.Module):
         a = project(self.in_proj_a, inputs, phase)
         if self.fused and cache is not None and cache.lengths is None and phase != TRAIN \
                 and self.recurrence == "kernel":
-            if S == 1 and not keep_states:
-                return self._decode_step(qkv[:, 0], z, a[:, 0], b[:, 0], mask, cache, phase)
-            if keep_states:  # a verify step: decode steps one after the other
-                return self._decode_steps(qkv, z, a, b, mask, cache, phase)
+            if S == 1 or keep_states:  # a decode step, or a verify step's decode steps one after the other
+                out, kept = self._decode_steps(qkv, z, a, b, mask, cache, phase)
+                return (out, kept) if keep_states else out
         if cache is not None and cache[0] is not None:
             conv_state = cache[0]
         else:
@@ -185,10 +184,12 @@ class GatedDeltaNet(nn.Module):
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return (out, kept) if keep_states else out
 
-
     def _decode_steps(self, qkv, z, a, b, mask, cache, phase):
-        """Several positions per sequence as that many fused decode steps (the same kernel and
-        masking, so the same numbers, as decoding them one by one), keeping the states after each."""
+        """Decode steps, each in one kernel call from the projections' outputs to out_proj's
+        input (kernels.gdn_decode_step), one position after the other (so several positions
+        compute what decoding them one by one does), keeping the states after each. A masked
+        position (padding) leaves the states as they were, as in the step-by-step path (g = 1,
+        beta = 0, zeros convolved in)."""
         B, S, _ = qkv.shape
         conv = cache[0] if cache[0] is not None else mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim))
         state = cache[1] if cache[1] is not None else \
@@ -207,33 +208,10 @@ class GatedDeltaNet(nn.Module):
             states.append(state)
         cache[0], cache[1] = conv, state
         cache.advance(S)
-        out = project(self.out_proj, mx.stack(ys, axis=1), phase)
+        out = project(self.out_proj, ys[0][:, None] if S == 1 else mx.stack(ys, axis=1), phase)
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out, (convs, states)
-
-    def _decode_step(self, qkv, z, a, b, mask, cache, phase):
-        """A decode step (one token per sequence) in one kernel call from the projections'
-        outputs to out_proj's input (kernels.gdn_decode_step); a masked row (padding) leaves its
-        states as they were, as in the step-by-step path (g = 1, beta = 0, zeros convolved in)."""
-        B = qkv.shape[0]
-        if mask is not None:
-            keep = mask[:, -1:]
-            qkv = mx.where(keep, qkv, 0)
-            a = mx.where(keep, a, -mx.inf)
-            b = mx.where(keep, b, -mx.inf)
-        conv = cache[0] if cache[0] is not None else mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim))
-        state = cache[1] if cache[1] is not None else \
-            mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim))
-        y, cache[0], cache[1] = kernels.gdn_decode_step(
-            qkv, z.reshape(B, -1), a, b, conv, self._conv_w_t, self.A_log, self.dt_bias, state,
-            self.norm.weight, self.norm.eps, self.num_k_heads, self.head_k_dim)
-        cache.advance(1)
-        out = project(self.out_proj, y.reshape(B, 1, -1), phase)
-        if self.sharding_group is not None:
-            out = mx.distributed.all_sum(out, group=self.sharding_group)
-        return out
-
 
 class Attention(nn.Module):
     """Qwen3.5's gated full attention (q with an output gate, q/k RMSNorm, partial rotary)."""
@@ -271,7 +249,7 @@ class Attention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
         else:
             queries, keys = self.rope(queries), self.rope(keys)
-        if phase == DECODE and L > 1 and cache is not None:
+        if verifying(x, phase) and cache is not None:
             out = self._rows(queries, keys, values, cache, mask)
         else:
             out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
@@ -481,8 +459,8 @@ class LanguageModel(nn.Module):
             table = self.model.embed_tokens
             if isinstance(table, Projection):
                 return table.as_linear(h, phase)
-            if phase == DECODE and h.ndim == 3 and h.shape[1] > 1:  # as `project` does (a verify step)
-                return mx.concatenate([table.as_linear(h[:, t:t + 1]) for t in range(h.shape[1])], axis=1)
+            if verifying(h, phase):  # as `project` does
+                return per_position(table.as_linear, h)
             return table.as_linear(h)
         out = project(self.lm_head, h, phase)
         if self.sharding_group is not None:
