@@ -19,6 +19,7 @@ import mlx.nn as nn
 from .formats import Format, fake_quantize
 
 ALPHAS = tuple(i / 10 for i in range(11))
+SEARCH_MACS = 20 << 30  # multiply-adds of one candidate's error, at most (the 0.8B shape: every row)
 
 
 @dataclass
@@ -49,10 +50,9 @@ def _groups(layer) -> list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]]:
     return out
 
 
-def _error(x: mx.array, members: list[tuple[nn.Module, Format]], s: mx.array | None) -> float:
+def _error(x: mx.array, members: list[tuple[mx.array, Format]], s: mx.array | None) -> float:
     total = mx.array(0.0)
-    for lin, fmt in members:
-        w = lin.weight.astype(mx.float32)
+    for w, fmt in members:
         if s is None:
             wq = fake_quantize(w, fmt)
         else:
@@ -92,6 +92,12 @@ def awq_layer(i: int, layer, inputs: dict[str, mx.array], plan: dict[str, Format
             continue
         x = inputs[norm_name]
         x = x.reshape(-1, x.shape[-1]).astype(mx.float32)[:max_tokens]
+        # the output error of every k-th row (rows quantize independently; the scale is per
+        # input channel): the search costs at most SEARCH_MACS per candidate at any width
+        rows = sum(lin.weight.shape[0] for lin, _ in quantized)
+        stride = max(1, -(-x.shape[0] * x.shape[1] * rows // SEARCH_MACS))
+        quantized = [(lin.weight[::stride].astype(mx.float32), fmt) for lin, fmt in quantized]
+        mx.eval(quantized)
         mean_abs = mx.maximum(mx.abs(x).mean(axis=0), 1e-6)
         before = _error(x, quantized, None)
         best = (before, 0.0, None)

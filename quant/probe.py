@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,20 +35,45 @@ import mlx.nn as nn
 from .formats import BITS, Format, fake_quantize, formats_for, tensor_class
 from .progress import Progress
 from .sensitivity import SensitivityTable, layer_of
-from .stream import ChunkedFakeQuant, LayerStream
+from .stream import ChunkedFakeQuant, LayerStream, _get_child as _child
 
 PROBE_BITS = 4
 EXTRA_ANCHORS = (6, 3)  # second and third probe waves: the error-to-KLD curve between them
 REF_BYTES = 256 << 20  # reference log-probabilities kept for probes (rows x vocabulary x 4 bytes)
 ROW_CHUNK = 32768  # rows of a big tensor fake-quantized at a time
-ERROR_ROWS = 4096  # rows of a tensor its activation-weighted error is measured on, at most
+ERROR_ELEMENTS = 4096 * 1024  # weights of a tensor its activation-weighted error is measured on
+ERROR_ROWS_MIN = 1024  # ... in at least this many rows
+
+
+class LayerInputs:
+    """The probe rows' hidden states entering each layer: in memory, or with `folder` one file
+    per layer, read back when a probe starts there (memory then does not grow with depth)."""
+
+    def __init__(self, folder: Path | None = None):
+        self.folder = folder
+        self.items: list = []
+
+    def append(self, h: mx.array) -> None:
+        if self.folder is None:
+            self.items.append(h)
+            return
+        path = self.folder / f"layer-input-{len(self.items):04d}.safetensors"
+        mx.save_safetensors(str(path), {"h": h})
+        self.items.append(path)
+
+    def __getitem__(self, i: int) -> mx.array:
+        item = self.items[i]
+        return item if isinstance(item, mx.array) else mx.load(str(item))["h"]
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 @dataclass
 class FirstPass:
     """What one forward pass over the calibration rows leaves for the probes and the errors."""
     imp: dict[str, mx.array]  # tensor path -> mean square of each input channel
-    inputs: list[mx.array]  # hidden states entering layer l (l = 0..L), probe rows only
+    inputs: LayerInputs  # hidden states entering layer l (l = 0..L), probe rows only
     ref: mx.array  # reference log-probabilities of the probe rows, [tokens, vocab]
     probe_rows: mx.array
     rows_total: int = 1
@@ -59,12 +86,16 @@ def probe_row_count(stream: LayerStream, rows: mx.array) -> int:
     return max(1, min(rows.shape[0], REF_BYTES // per_row))
 
 
-def first_pass(stream: LayerStream, rows: mx.array, progress: Progress | None = None) -> FirstPass:
+def first_pass(stream: LayerStream, rows: mx.array, progress: Progress | None = None,
+               spill: Path | None = None) -> FirstPass:
+    """`spill`: a folder for the per-layer probe inputs (else they stay in memory)."""
     n_probe = probe_row_count(stream, rows)
     record: dict = {}
     h = stream.embed(rows)
-    inputs = [mx.array(h[:n_probe])]
-    mx.eval(inputs[0])
+    inputs = LayerInputs(spill)
+    first = mx.array(h[:n_probe])
+    mx.eval(first)
+    inputs.append(first)
     seconds = []
     n = len(stream.layers)
     if progress:
@@ -72,8 +103,9 @@ def first_pass(stream: LayerStream, rows: mx.array, progress: Progress | None = 
     for i in range(n):
         t = time.time()
         h = stream.run_layer(i, h, record)
-        inputs.append(mx.array(h[:n_probe]))
-        mx.eval(inputs[-1])
+        nxt = mx.array(h[:n_probe])
+        mx.eval(nxt)
+        inputs.append(nxt)
         seconds.append(time.time() - t)
         if progress:
             progress.step(i + 1)
@@ -93,53 +125,55 @@ def first_pass(stream: LayerStream, rows: mx.array, progress: Progress | None = 
                      rows_total=rows.shape[0], layer_seconds=seconds, head_seconds=head_s)
 
 
-def weighted_error(w: mx.array, fmt: Format, imp: mx.array, by_row: bool = False) -> float:
-    """E(t, f): squared quantization error weighted by input-channel importance (or, for an
-    untied embedding, by row frequency). Quantization groups run along a row, so a tensor with
-    more than ERROR_ROWS rows is estimated from every k-th row (scaled back up): the 248k-row
-    embedding costs what a 4k-row projection does, and the ratios between formats, which is what
-    the estimator uses, come from the same rows."""
-    flat = w.reshape(-1, w.shape[-1])
-    stride = max(1, -(-flat.shape[0] // ERROR_ROWS))
+def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False) -> dict[str, float]:
+    """E(t, f) for each format f: squared quantization error weighted by input-channel
+    importance (or, for an untied embedding, by row frequency). Quantization groups run along a
+    row, so a tensor with more than ERROR_ELEMENTS weights is estimated from every k-th row
+    (scaled back up), sampled once for all formats: the 248k-row embedding and a 17k-wide
+    projection cost what a 4M-weight one does, and the ratios between formats, which is what the
+    estimator uses, come from the same rows."""
+    n_rows = math.prod(w.shape[:-1])
+    stride = max(1, -(-n_rows // max(ERROR_ROWS_MIN, ERROR_ELEMENTS // w.shape[-1])))
+    if isinstance(w, mx.array):
+        flat = w.reshape(-1, w.shape[-1])[::stride]
+    else:  # rows of a table on disk (quant/checkpoint.Rows): only the sampled ones are read
+        flat = w[::stride]
+    mx.eval(flat)
     if stride > 1:
-        flat = flat[::stride]
         imp = imp[::stride] if by_row else imp
-    total = 0.0
-    for start in range(0, flat.shape[0], ROW_CHUNK):
-        chunk = flat[start:start + ROW_CHUNK]
-        d = chunk.astype(mx.float32) - fake_quantize(chunk, fmt).astype(mx.float32)
-        sq = d * d
-        if by_row:
-            total += float((sq.sum(axis=1) * imp[start:start + ROW_CHUNK]).sum().item())
-        else:
-            total += float((sq.sum(axis=0) * imp).sum().item())
-    return total * w.reshape(-1, w.shape[-1]).shape[0] / flat.shape[0]
+    out = {}
+    for fmt in fmts:
+        total = 0.0
+        for start in range(0, flat.shape[0], ROW_CHUNK):
+            chunk = flat[start:start + ROW_CHUNK]
+            d = chunk.astype(mx.float32) - fake_quantize(chunk, fmt).astype(mx.float32)
+            sq = d * d
+            if by_row:
+                total += float((sq.sum(axis=1) * imp[start:start + ROW_CHUNK]).sum().item())
+            else:
+                total += float((sq.sum(axis=0) * imp).sum().item())
+        out[fmt.name] = total * n_rows / flat.shape[0]
+    return out
 
 
 def probe_kld(stream: LayerStream, fp: FirstPass, path: str, module: nn.Module, fmt: Format) -> float:
     """The exact ablation of one (tensor, format) on the probe rows. The embedding table and
     the head are quantized where they are read (looked-up rows, head chunks): a 248k-row table
     is never copied whole."""
-    outer = path.endswith("embed_tokens") or path == stream.head_path
-    w = module.weight
-    if not outer:
-        module.weight = fake_quantize(w, fmt)
-    try:
-        start = layer_of(path)
-        if path.endswith("embed_tokens"):
-            h, first = stream.embed(fp.probe_rows, fmt), 0
-        elif start == 0:
-            h, first = stream.embed(fp.probe_rows), 0
-        else:
-            first = min(start, len(stream.layers))
-            h = fp.inputs[first]
-        for i in range(first, len(stream.layers)):
-            h = stream.run_layer(i, h)
-        normed = stream.final_norm(h).reshape(-1, h.shape[-1])
-        head = ChunkedFakeQuant(stream.head_weight(), fmt) if path == stream.head_path else None
-        kld = float(stream.compare(fp.ref, normed, head)[0].mean().item())
-    finally:
-        module.weight = w
+    start = layer_of(path)
+    rel = path.split(".layers.", 1)[1].split(".", 1)[1] if ".layers." in path else None
+    if path.endswith("embed_tokens"):
+        h, first = stream.embed(fp.probe_rows, fmt), 0
+    elif start == 0:
+        h, first = stream.embed(fp.probe_rows), 0
+    else:
+        first = min(start, len(stream.layers))
+        h = fp.inputs[first]
+    for i in range(first, len(stream.layers)):
+        h = stream.run_layer(i, h, fake={rel: fmt} if rel is not None and i == start else None)
+    normed = stream.final_norm(h).reshape(-1, h.shape[-1])
+    head = ChunkedFakeQuant(stream.head_weight(), fmt) if path == stream.head_path else None
+    kld = float(stream.compare(fp.ref, normed, head)[0].mean().item())
     return max(kld, 0.0)
 
 
@@ -258,20 +292,39 @@ def estimate(stream: LayerStream, fp: FirstPass, budget_s: float, *, bits: tuple
     errors = saved["errors"]
     if progress:
         progress.stage("errors", len(modules), "activation-weighted quantization error per format")
-    for k, (path, module) in enumerate(modules.items()):
-        if path not in errors:
-            w = module.weight
-            imp = fp.imp.get(path)
-            if imp is None:  # never reached by the calibration tokens
-                imp = mx.ones((w.shape[-1],), dtype=mx.float32)
-            by_row = path.endswith("embed_tokens") and not stream.tied
-            errors[path] = {f.name: weighted_error(w, f, imp, by_row=by_row)
-                            for f in formats_for(w.shape[-1]) if f.bits in bits}
-            if on_save:
-                on_save(saved)
-        if progress:
-            progress.step(k + 1)
+    k = 0
+    for i, group in _by_layer(stream, modules):  # one read of each layer for all its tensors
+        todo = [p for p in group if p not in errors]
+        with (stream.layer(i) if todo and i is not None else _nothing()) as layer:
+            for path in group:
+                if path not in errors:
+                    w = (stream.rows(path) if i is None else
+                         _child(layer, path.split(".layers.", 1)[1].split(".", 1)[1]).weight)
+                    imp = fp.imp.get(path)
+                    if imp is None:  # never reached by the calibration tokens
+                        imp = mx.ones((w.shape[-1],), dtype=mx.float32)
+                    by_row = path.endswith("embed_tokens") and not stream.tied
+                    errors[path] = weighted_errors(w, [f for f in formats_for(w.shape[-1]) if f.bits in bits],
+                                                   imp, by_row=by_row)
+                    if on_save:
+                        on_save(saved)
+                k += 1
+                if progress:
+                    progress.step(k)
     return _table(modules, done, errors, bits, exact_all_bits, budget_s, seconds, fp)
+
+
+def _by_layer(stream: LayerStream, modules: dict) -> list[tuple[int | None, list[str]]]:
+    """Tensor paths grouped by decoder layer (None: outside the layers), in layer order."""
+    groups: dict = {}
+    for path in modules:
+        groups.setdefault(layer_of(path) if ".layers." in path else None, []).append(path)
+    return sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+@contextmanager
+def _nothing():
+    yield None
 
 
 def _table(modules, done, errors, bits, exact_all_bits, budget_s, seconds, fp) -> SensitivityTable:

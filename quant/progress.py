@@ -47,8 +47,15 @@ class Progress:
     _last_log: float = 0.0
     stage_seconds: dict = field(default_factory=dict)  # finished stages and how long they took
     peak_rss_gb: dict = field(default_factory=dict)  # the process's peak RSS when each stage ended
+    memory: dict = field(default_factory=dict)  # the first start's memory plan (quant/memory.py)
+    peak_anon_gb: dict = field(default_factory=dict)  # sampled peak anonymous memory per stage
+    sample_every_s: float = 0.2
+    _sampler: threading.Thread | None = None
 
     def stage(self, name: str, total: int = 0, message: str = "") -> None:
+        if self._sampler is None and name:
+            self._sampler = threading.Thread(target=self._sample, name="mixbit-memory", daemon=True)
+            self._sampler.start()
         with self._lock:
             now = time.time()
             if self._snap.stage and self._snap.stage != name:
@@ -58,6 +65,22 @@ class Progress:
             self._stage_started = now
             self._snap = Snapshot(stage=name, total=total, message=message)
         self._emit(force=True)
+
+    def _sample(self) -> None:
+        """Anonymous memory (what the kernel cannot drop) sampled while stages run: the peak
+        of each stage lands in recipe.json, for the memory plan to be checked against."""
+        from .memory import anon_bytes
+
+        while True:
+            with self._lock:
+                stage = self._snap.stage
+                if stage:
+                    gb = round(anon_bytes() / 1e9, 2)
+                    if gb > self.peak_anon_gb.get(stage, 0.0):
+                        self.peak_anon_gb[stage] = gb
+                elif self.stage_seconds:  # finished
+                    return
+            time.sleep(self.sample_every_s)
 
     def step(self, k: int, total: int | None = None, message: str = "") -> None:
         with self._lock:

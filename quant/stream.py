@@ -1,10 +1,14 @@
-"""A checkpoint run one decoder layer at a time, so quantization never holds the model in float32.
+"""A checkpoint run one decoder layer at a time: quantizing holds one layer, never the model.
 
-mlx-lm loads the checkpoint lazily (its own sanitize: HF layout -> MLX layout, vision tower and
-MTP head dropped); weights stay in their stored dtype (bf16) and are read from disk when first
-used. Each layer runs in float32 from a transient copy of its weights (MLX's CPU backend has no
-fast bf16 matmul), and the 248k-row head is applied in vocabulary chunks, so the float32 working
-set is one layer plus one chunk of the head, whatever the model's size.
+The model is built by mlx-lm's loader (lazily, through mixbit's forward and its sanitize: HF
+layout -> MLX layout, vision tower and MTP head left out), but its weights are never evaluated:
+they stand in for shapes and names only. Whoever needs a layer's values takes them with
+`with stream.layer(i)`: fresh arrays read from the safetensors files (quant/checkpoint.py), in
+the layer for the duration of the block and dropped after it, so what stays in memory does not
+grow with depth or checkpoint size. Each layer runs in float32 (MLX's CPU backend has no fast
+bf16 matmul); the embedding table and the 248k-row head are read by token and in vocabulary
+chunks through a memory map. Working set: one layer (stored + float32), one chunk of the head,
+the calibration activations.
 """
 
 from __future__ import annotations
@@ -15,11 +19,23 @@ from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .formats import quantizable
+from .checkpoint import Checkpoint, Rows
+from .formats import Format, fake_quantize, quantizable
 
-HEAD_CHUNK = 32768  # vocabulary rows cast to float32 at a time
+HEAD_CHUNK = 32768  # vocabulary rows cast to float32 at a time, at most
+HEAD_CHUNK_BYTES = 128 << 20  # ... and at most this many bytes of them in float32
+REF_CHUNK_BYTES = 256 << 20  # [tokens, vocabulary] float32 log-probabilities made at a time
+EXPERT_CHUNK_BYTES = 128 << 20  # routed experts cast to float32 at a time (MoE layers)
+
+
+def _f32(a: mx.array) -> mx.array:
+    """float32 for a floating weight, except stacked experts (3-D): the MoE block casts those a
+    chunk of experts at a time (`expert_chunk`), so 256 experts are never float32 at once."""
+    if a.ndim == 3 or not mx.issubdtype(a.dtype, mx.floating):
+        return a
+    return a.astype(mx.float32)
 
 
 class Recorder(nn.Module):
@@ -32,11 +48,20 @@ class Recorder(nn.Module):
         self._stats, self._key = stats, key
 
     def __call__(self, x, *args, **kwargs):
+        self.observe(x)
+        return self.inner(x, *args, **kwargs)
+
+    def observe(self, x) -> None:
+        """Adds x's rows to the statistics (callers that use `weight` directly, like the MoE
+        block's expert chunks, report their inputs here)."""
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
         sq = (flat * flat).sum(axis=0)
         old = self._stats.get(self._key)
         self._stats[self._key] = (sq, flat.shape[0]) if old is None else (old[0] + sq, old[1] + flat.shape[0])
-        return self.inner(x, *args, **kwargs)
+
+    @property
+    def weight(self) -> mx.array:
+        return self.inner.weight
 
 
 def _set_child(root: nn.Module, dotted: str, value: nn.Module) -> None:
@@ -64,12 +89,14 @@ class LayerStream:
 
         self.folder = Path(folder)
         # mixbit's forward (GatedDeltaNet on the CPU kernel or chunk-parallel, not mlx-lm's
-        # per-token loop), its projections left as loaded: MLX's own layers
+        # per-token loop), its projections left as loaded: MLX's own layers. The loaded weights
+        # are never evaluated (see `layer`): the model is built for its structure.
         ours = load_config(self.folder).get("model_type") in MODEL_TYPES
         self.model, self.config = load_model(self.folder, lazy=True, strict=True,
                                              **({"get_model_classes": model_classes} if ours else {}))
         if ours:  # the MTP head is quantized from the checkpoint's files (writer.py), not streamed
             self.model.detach_mtp()
+        self.checkpoint = Checkpoint(self.folder)
         lm = getattr(self.model, "language_model", self.model)
         self.lm = lm
         self.text = lm.model
@@ -81,13 +108,84 @@ class LayerStream:
                           else "lm_head")
         self.vocab = int(self.text.embed_tokens.weight.shape[0])
         self._masks: dict = {}
+        for layer in self.layers:  # MoE: experts a chunk at a time (see _f32)
+            if hasattr(layer.mlp, "expert_chunk"):
+                w = layer.mlp.switch_mlp.gate_proj.weight
+                per_expert = 3 * 4 * w.shape[1] * w.shape[2]
+                layer.mlp.expert_chunk = max(1, min(w.shape[0], EXPERT_CHUNK_BYTES // per_expert))
+        # the model's own names of the tensors outside the layers -> the checkpoint's names
+        # (the embedding and head are renamed only: their rows are read from the file)
+        raw = self.checkpoint.lazy(self._wanted)
+        by_id = {id(v): k for k, v in raw.items()}
+        fresh = self.model.sanitize(dict(raw)) if hasattr(self.model, "sanitize") else dict(raw)
+        self.outer_weights = {k: v for k, v in fresh.items() if f"{self.prefix}.layers." not in k}
+        self._sources = {k: by_id[id(v)] for k, v in self.outer_weights.items() if id(v) in by_id}
+        del raw, fresh
+        self.layer_bytes = [self.checkpoint.nbytes(n) for n in self._layer_sources()]
+
+    # ------------------------------------------------------------------ reading
+    @staticmethod
+    def _wanted(name: str) -> bool:
+        return not name.startswith(("mtp.", "model.visual.", "vision_tower.", "model.mtp."))
+
+    def _sanitized(self, keep=None) -> dict[str, mx.array]:
+        """Fresh unevaluated weights of the checkpoint in the model's names (its own sanitize:
+        it decides conventions from the whole set of tensors, so it sees all of them; nothing
+        is read until a returned array is evaluated)."""
+        raw = self.checkpoint.lazy(self._wanted)
+        out = self.model.sanitize(raw) if hasattr(self.model, "sanitize") else raw
+        return out if keep is None else {k: v for k, v in out.items() if keep(k)}
+
+    def _layer_sources(self) -> list[list[str]]:
+        """Checkpoint tensor names of each decoder layer."""
+        out: list[list[str]] = [[] for _ in self.layers]
+        for name in self.checkpoint.entries:
+            parts = name.split(".")
+            if self._wanted(name) and "layers" in parts:
+                i = parts.index("layers") + 1
+                if i < len(parts) and parts[i].isdigit() and int(parts[i]) < len(out):
+                    out[int(parts[i])].append(name)
+        return out
+
+    def layer_weights(self, i: int) -> dict[str, mx.array]:
+        """Layer i's weights (relative names, stored dtypes), fresh and unevaluated."""
+        pfx = f"{self.layer_path(i)}."
+        return {k[len(pfx):]: v for k, v in self._sanitized(lambda k: k.startswith(pfx)).items()}
+
+    @contextmanager
+    def layer(self, i: int, *, float32: bool = False,
+              fake: dict[str, Format] | None = None) -> Iterator[nn.Module]:
+        """Layer i holding its weights from the checkpoint for the duration of the block
+        (released after it). `fake`: relative module path -> format, those weights quantized
+        and dequantized (from their stored dtype, as the variant will compute); `float32`:
+        every floating weight cast to float32 (the stored copies are not kept)."""
+        layer = self.layers[i]
+        flat = self.layer_weights(i)
+        for rel, fmt in (fake or {}).items():
+            flat[f"{rel}.weight"] = fake_quantize(flat[f"{rel}.weight"], fmt)
+        if float32:
+            flat = {k: _f32(v) for k, v in flat.items()}
+        placeholders = layer.parameters()
+        layer.update(tree_unflatten(list(flat.items())))
+        del flat
+        try:
+            yield layer
+        finally:
+            layer.update(placeholders)
+
+    def rows(self, path: str) -> Rows | mx.array:
+        """The weight of an outer tensor (embedding, untied head) by rows: read from the file
+        through a memory map when it is stored as is, else the (small) fresh array."""
+        name = f"{path}.weight"
+        src = self._sources.get(name)
+        return self.checkpoint.rows(src) if src is not None else self.outer_weights[name]
 
     # ------------------------------------------------------------------ naming
     def layer_path(self, i: int) -> str:
         return f"{self.prefix}.layers.{i}"
 
     def layer_tensors(self, i: int) -> dict[str, nn.Module]:
-        """Full path -> quantizable module of layer i."""
+        """Full path -> quantizable module of layer i (weights: shapes only, see `layer`)."""
         base = self.layer_path(i)
         return {f"{base}.{p}": m for p, m in quantizable(self.layers[i]).items()}
 
@@ -114,30 +212,34 @@ class LayerStream:
         return self._masks[key]
 
     def embed(self, rows: mx.array, fmt=None) -> mx.array:
-        """Embeddings of token rows in float32; with `fmt`, as that quantization of the table
-        would give them (groups run along a row, so the looked-up rows quantize alone)."""
-        if fmt is None or fmt.bits == 16:
-            return self.text.embed_tokens(rows).astype(mx.float32)
-        from .formats import fake_quantize
-
-        picked = fake_quantize(self.text.embed_tokens.weight[rows.reshape(-1)], fmt)
+        """Embeddings of token rows in float32 (the table's rows read by token); with `fmt`, as
+        that quantization of the table would give them (groups run along a row, so the
+        looked-up rows quantize alone)."""
+        picked = self.rows(f"{self.prefix}.embed_tokens")[rows.reshape(-1)]
+        if fmt is not None and fmt.bits != 16:
+            picked = fake_quantize(picked, fmt)
         return picked.reshape(*rows.shape, -1).astype(mx.float32)
 
     @contextmanager
     def float32(self, module: nn.Module) -> Iterator[nn.Module]:
         """The module with float32 copies of its weights, for the duration of the block."""
         saved = module.parameters()
-        module.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating)
-                               else a, saved))
+        module.update(tree_map(_f32, saved))
         try:
             yield module
         finally:
             module.update(saved)
 
-    def run_layer(self, i: int, h: mx.array, record: dict | None = None) -> mx.array:
-        """Layer i on hidden states h (float32); with `record`, each quantizable module's input
-        statistics are added to it under the module's full path."""
-        layer = self.layers[i]
+    def run_layer(self, i: int, h: mx.array, record: dict | None = None,
+                  fake: dict[str, Format] | None = None) -> mx.array:
+        """Layer i, read from the checkpoint, on hidden states h (float32); with `record`, each
+        quantizable module's input statistics are added to it under the module's full path;
+        `fake`: modules (relative paths) run quantized at these formats."""
+        with self.layer(i, float32=True, fake=fake) as layer:
+            return self.apply(i, layer, h, record)
+
+    def apply(self, i: int, layer: nn.Module, h: mx.array, record: dict | None = None) -> mx.array:
+        """Layer i as it holds its weights now (float32 ones, or cast for the call)."""
         fa_mask, ssm_mask = self.masks(h)
         mask = ssm_mask if layer.is_linear else fa_mask
         swapped = []
@@ -147,8 +249,13 @@ class LayerStream:
                 module = _get_child(layer, rel)
                 _set_child(layer, rel, Recorder(module, record, f"{base}.{rel}"))
                 swapped.append((rel, module))
+        cast = any(_f32(v).dtype != v.dtype for _, v in tree_flatten(layer.parameters()))
         try:
-            with self.float32(layer):
+            if cast:
+                with self.float32(layer):
+                    out = layer(h, mask=mask, cache=None)
+                    mx.eval(out, *(v[0] for v in (record or {}).values()))
+            else:
                 out = layer(h, mask=mask, cache=None)
                 mx.eval(out, *(v[0] for v in (record or {}).values()))
         finally:
@@ -157,47 +264,92 @@ class LayerStream:
         return out
 
     def final_norm(self, h: mx.array) -> mx.array:
-        with self.float32(self.text.norm):
-            out = self.text.norm(h)
-            mx.eval(out)
-        return out
-
-    def head_weight(self) -> mx.array:
-        return self.text.embed_tokens.weight if self.tied else self.lm.lm_head.weight
-
-    def logprobs(self, normed: mx.array, weight=None, token_chunk: int = 64) -> mx.array:
-        """log-softmax of the head over normed hidden states [T, hidden] (float32). The head's
-        rows are cast to float32 a chunk at a time (`weight` replaces the head, e.g. a quantized
-        one read chunk by chunk), tokens go `token_chunk` at a time: memory is the result plus
-        one chunk."""
-        return mx.concatenate([self._logprobs(normed[s:s + token_chunk], weight)
-                               for s in range(0, normed.shape[0], token_chunk)], axis=0)
-
-    def _logprobs(self, normed: mx.array, weight=None) -> mx.array:
-        w = self.head_weight() if weight is None else weight
-        parts = []
-        for start in range(0, w.shape[0], HEAD_CHUNK):
-            chunk = w[start:start + HEAD_CHUNK].astype(mx.float32)
-            parts.append(normed @ chunk.T)
-            mx.eval(parts[-1])
-        logits = mx.concatenate(parts, axis=-1)
-        del parts
-        out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        w = self.outer_weights[f"{self.prefix}.norm.weight"]
+        out = mx.fast.rms_norm(h, w.astype(mx.float32), self.text.norm.eps)
         mx.eval(out)
         return out
 
-    def compare(self, ref: mx.array, normed: mx.array, weight=None,
-                token_chunk: int = 64) -> tuple[mx.array, mx.array]:
-        """Per position: KL(ref || head(normed)) and whether the top tokens agree, without
-        holding the second distribution whole (`ref`: reference log-probabilities)."""
+    @property
+    def head_chunk_rows(self) -> int:
+        width = int(self.text.embed_tokens.weight.shape[-1])
+        return max(1024, min(HEAD_CHUNK, HEAD_CHUNK_BYTES // (4 * width)))
+
+    def head_weight(self) -> Rows | mx.array:
+        """The head's weight, read by row chunks (the embedding table when tied)."""
+        return self.rows(self.head_path)
+
+    def token_chunk(self) -> int:
+        """Tokens whose [tokens, vocabulary] float32 rows take about REF_CHUNK_BYTES."""
+        return max(16, REF_CHUNK_BYTES // (4 * self.vocab))
+
+    def _head_chunks(self, normed: mx.array, weight=None) -> Iterator[tuple[int, mx.array]]:
+        """(first row, logits [T, rows]) for each chunk of the head's rows, each read once and
+        cast to float32 on its own."""
+        w = self.head_weight() if weight is None else weight
+        step = self.head_chunk_rows
+        for start in range(0, w.shape[0], step):
+            z = normed @ w[start:start + step].astype(mx.float32).T
+            mx.eval(z)
+            yield start, z
+
+    def logprobs(self, normed: mx.array, weight=None) -> mx.array:
+        """log-softmax of the head over normed hidden states [T, hidden] (float32). The head is
+        read once per token chunk (`weight` replaces it, e.g. a quantized one read chunk by
+        chunk) and the normaliser accumulated over its chunks: memory is the result, its
+        logits, and one chunk of the head."""
+        out = []
+        for s in range(0, normed.shape[0], self.token_chunk()):
+            parts, lse = [], _OnlineLogSumExp()
+            for _, z in self._head_chunks(normed[s:s + self.token_chunk()], weight):
+                lse.add(z)
+                parts.append(z)
+            norm = lse.value()
+            out.append(mx.concatenate([p - norm for p in parts], axis=-1))
+            del parts
+            mx.eval(out[-1])
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+    def compare(self, ref: mx.array, normed: mx.array, weight=None) -> tuple[mx.array, mx.array]:
+        """Per position: KL(ref || head(normed)) and whether the top tokens agree, the second
+        distribution never held whole: KL = sum p log p - sum p z + logsumexp(z), with z the
+        logits, accumulated over the head's chunks (`ref`: reference log-probabilities)."""
         klds, same = [], []
-        for s in range(0, normed.shape[0], token_chunk):
-            got = self._logprobs(normed[s:s + token_chunk], weight)
-            r = ref[s:s + token_chunk]
-            klds.append(kld_rows(r, got))
-            same.append(r.argmax(-1) == got.argmax(-1))
+        for s in range(0, normed.shape[0], self.token_chunk()):
+            r = ref[s:s + self.token_chunk()]
+            p = mx.exp(r)
+            cross = mx.zeros((r.shape[0],), dtype=mx.float32)
+            best = mx.full((r.shape[0],), -mx.inf, dtype=mx.float32)
+            arg = mx.zeros((r.shape[0],), dtype=mx.int32)
+            lse = _OnlineLogSumExp()
+            for start, z in self._head_chunks(normed[s:s + self.token_chunk()], weight):
+                cross = cross + (p[:, start:start + z.shape[1]] * z).sum(axis=-1)
+                lse.add(z)
+                top = z.max(axis=-1)
+                arg = mx.where(top > best, z.argmax(axis=-1).astype(mx.int32) + start, arg)
+                best = mx.maximum(best, top)
+                mx.eval(cross, arg, best)
+            klds.append((p * r).sum(axis=-1) - cross + lse.value()[:, 0])
+            same.append(r.argmax(axis=-1).astype(mx.int32) == arg)
             mx.eval(klds[-1], same[-1])
         return mx.concatenate(klds), mx.concatenate(same)
+
+
+class _OnlineLogSumExp:
+    """logsumexp over the last axis of logits that arrive in column chunks."""
+
+    def __init__(self):
+        self.m = self.s = None
+
+    def add(self, z: mx.array) -> None:
+        top = z.max(axis=-1, keepdims=True)
+        m = top if self.m is None else mx.maximum(self.m, top)
+        s = mx.exp(z - m).sum(axis=-1, keepdims=True)
+        self.s = s if self.s is None else s + self.s * mx.exp(self.m - m)
+        self.m = m
+        mx.eval(self.m, self.s)
+
+    def value(self) -> mx.array:
+        return self.m + mx.log(self.s)
 
 
 class ChunkedFakeQuant:

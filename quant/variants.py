@@ -66,7 +66,8 @@ def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str
                    progress: Callable[[str], None] | Progress | None = None,
                    target_bpw: float | None = None, calibration: str | None = None,
                    sensitivity: str = "auto",
-                   sensitivity_seconds: float = DEFAULT_SENSITIVITY_SECONDS) -> Variant:
+                   sensitivity_seconds: float = DEFAULT_SENSITIVITY_SECONDS,
+                   memory_gb: float = 0.0) -> Variant:
     """`progress`: a Progress (stages, step k of n, ETA) or a plain `say(str)` callback."""
     prog = progress if isinstance(progress, Progress) else from_callback(progress or log.info)
     say = prog.say
@@ -104,7 +105,8 @@ def ensure_variant(resolved: ResolvedModel, recipe: str = "bf16", cache_dir: str
         log.warning("cached variant %s is damaged (%s); rebuilding it", dst, problem)
         shutil.rmtree(dst, ignore_errors=True)
     quantize(resolved, recipe, dst, target_bpw=target_bpw, calibration=calibration, progress=prog,
-             sensitivity=sensitivity, sensitivity_seconds=sensitivity_seconds, cache_root=root)
+             sensitivity=sensitivity, sensitivity_seconds=sensitivity_seconds, cache_root=root,
+             memory_gb=memory_gb)
     return Variant(path=dst, recipe=recipe, source=resolved,
                    manifest={**(_read_recipe(dst) or {}), "source": resolved.source})
 
@@ -122,7 +124,7 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
              calibration: str | None = None, progress: Callable[[str], None] | Progress | None = None,
              cache_root: Path | None = None, sensitivity: str = "auto",
              sensitivity_seconds: float = DEFAULT_SENSITIVITY_SECONDS,
-             plan: dict[str, Format] | None = None) -> dict:
+             plan: dict[str, Format] | None = None, memory_gb: float = 0.0) -> dict:
     """Builds the variant folder `dst` for `recipe` layer by layer (memory: the checkpoint's own
     bytes plus one layer in float32); resumes a killed run of the same variant. `plan` replaces
     the recipe's formats (benchmarks build deliberately damaged variants with it). Returns the
@@ -154,11 +156,21 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
         if recipe == "mixbit-auto" and plan is None or awq:
             prog.stage("calibration", 0, "chat, code and tool-calling text")
             cal = calib.for_quantization(resolved, calibration, root)
+        heldout = calib.build(load_tokenizer(resolved.path)[0], n_rows=4, length=64, split="heldout")
+        from . import memory
+        from .probe import REF_BYTES
+
+        mem = memory.plan(stream, cal.rows.size if cal is not None else 0, heldout.rows.size,
+                          REF_BYTES if recipe == "mixbit-auto" and plan is None else 0, memory_gb,
+                          stream.head_chunk_rows)
+        prog.memory = mem.as_dict()
+        prog.say(mem.line())
+        memory.check(mem)
         if plan is not None:
             formats = dict(plan)
         elif recipe == "mixbit-auto":
             formats, extra = _auto_plan(stream, cal, root, digest, target_bpw or DEFAULT_TARGET_BPW,
-                                        prog, sensitivity, sensitivity_seconds, shapes)
+                                        prog, sensitivity, sensitivity_seconds, shapes, partial)
         else:
             formats = with_gates(static_plan(recipe, shapes).formats, shapes)
         say = prog.say
@@ -171,7 +183,7 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
         manifest.update(extra)
         # the quantize-time check: small, float32, dequantized (`mixbit eval --variants`
         # measures fidelity on more data)
-        heldout = calib.build(load_tokenizer(resolved.path)[0], n_rows=4, length=64, split="heldout")
+        shutil.rmtree(partial / "layer-inputs", ignore_errors=True)  # a killed run's probe inputs
         result = write_streamed(stream, partial, formats, dst.name, cal_rows=cal.rows if awq else None,
                                 heldout_rows=heldout.rows, awq=awq, progress=prog)
         manifest["measured_kld"] = result.measured_kld
@@ -186,6 +198,8 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
         manifest["seconds"] = round(time.time() - started, 1)
         manifest["stages_s"] = dict(prog.stage_seconds)
         manifest["stages_peak_rss_gb"] = dict(prog.peak_rss_gb)
+        manifest["stages_peak_anon_gb"] = dict(prog.peak_anon_gb)
+        manifest["memory_plan"] = dict(prog.memory)
         finalize(stream, partial, dst, formats, manifest)
     mx.set_cache_limit(cache_limit)
     prog.finish()
@@ -261,7 +275,7 @@ def choose_method(choice: str, n_tensors: int, n_bits: int, fp, budget_s: float,
 
 
 def _auto_plan(stream, cal, root: Path, digest: str, target_bpw: float, prog: Progress,
-               sensitivity: str, budget_s: float, shapes: dict) -> tuple[dict, dict]:
+               sensitivity: str, budget_s: float, shapes: dict, partial: Path) -> tuple[dict, dict]:
     """Measure (or reuse the saved table), then allocate bits under the budget."""
     from .allocate import allocate, budget_for_bpw
     from .formats import BITS
@@ -284,7 +298,10 @@ def _auto_plan(stream, cal, root: Path, digest: str, target_bpw: float, prog: Pr
         table_path.parent.mkdir(parents=True, exist_ok=True)
         table.save(table_path)
     else:
-        fp = first_pass(stream, cal.rows, prog)
+        spill = partial / "layer-inputs"  # the probes' inputs on disk: memory flat in depth
+        shutil.rmtree(spill, ignore_errors=True)
+        spill.mkdir()
+        fp = first_pass(stream, cal.rows, prog, spill=spill)
         method = choose_method(sensitivity, len(shapes), len(BITS), fp, budget_s, len(stream.layers))
         table_path = saved[method]
         partial_path = table_path.with_suffix(".partial.json")
@@ -311,6 +328,7 @@ def _auto_plan(stream, cal, root: Path, digest: str, target_bpw: float, prog: Pr
         table.save(table_path)
         partial_path.unlink(missing_ok=True)
         del fp
+        shutil.rmtree(spill, ignore_errors=True)
     prog.stage("allocation", 0, f"{target_bpw} bits per weight")
     fixed = {p: f for p, f in with_gates({}, shapes).items() if p in table.kld}
     alloc = allocate(table, budget_for_bpw(table, target_bpw), fixed=fixed)

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from . import artifact
 from .awq import awq_layer, group_inputs
 from .formats import Format, fake_quantize, quantizable
 from .progress import Progress
-from .stream import ChunkedFakeQuant, LayerStream, _get_child
+from .checkpoint import Rows, read_header
+from .stream import ChunkedFakeQuant, LayerStream, _f32
 
 SHARD_BYTES = 1 << 30  # a shard is written once its layers reach this size
 STATE = "state.json"
@@ -51,7 +53,11 @@ def quantize_tensor(w: mx.array, fmt: Format, rows: int = 32768) -> dict[str, mx
     def one(x):
         return mx.quantize(x.astype(mx.bfloat16), group_size=fmt.group_size, bits=fmt.bits)
 
-    if w.ndim != 2 or w.shape[0] <= rows:
+    if not isinstance(w, mx.array) and (w.ndim != 2 or w.shape[0] <= rows):
+        w = w[:]  # rows of a file (quant/checkpoint.Rows), small enough to read at once
+    if w.ndim == 3 and w.shape[0] > 1:  # stacked experts: a few experts at a time
+        rows = max(1, rows // w.shape[1])
+    if w.ndim not in (2, 3) or w.shape[0] <= rows:
         q, scales, biases = one(w)
     else:
         pieces = []
@@ -75,6 +81,60 @@ class _Shards:
         self.pending.update(tensors)
         self.nbytes += sum(v.nbytes for v in tensors.values())
 
+    def copy(self, name: str, rows: Rows) -> None:
+        """One tensor stored as is, copied from the checkpoint's file into a part of its own
+        (constant memory: a 248k-row bf16 table is never read whole)."""
+        if self.pending:
+            self.flush()
+        self.index += 1
+        part = self.folder / f"part-{self.index:05d}.safetensors"
+        entry = rows.checkpoint.entries[rows.name]
+        header = {"__metadata__": {"format": "mlx"},
+                  name: {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [0, entry.nbytes]}}
+        tmp = part.with_suffix(".tmp.safetensors")
+        with open(tmp, "wb") as fh:
+            fh.write(_header_bytes(header))
+            _copy_bytes(fh, entry.file, entry.start, entry.nbytes)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, part)
+
+    def quantized(self, path: str, rows: Rows, fmt: Format, chunk_bytes: int = 64 << 20) -> None:
+        """A table on disk (`rows`: the embedding, an untied head) quantized a chunk of rows at
+        a time into a part of its own: packed rows go to the file as they are made, only the
+        scales and biases (1/8 of the packed bytes at 4 bits) wait for the end."""
+        if self.pending:
+            self.flush()
+        self.index += 1
+        part = self.folder / f"part-{self.index:05d}.safetensors"
+        n = rows.shape[0]
+        chunk = max(256, chunk_bytes // (2 * rows.shape[1]))  # rows per step (bf16 bytes)
+        q0, s0, _ = quantize_tensor(rows[0:1], fmt).values()
+        kinds = {"weight": q0, "scales": s0, "biases": s0}
+        header: dict = {"__metadata__": {"format": "mlx"}}
+        offset = 0
+        for k, a in kinds.items():
+            size = n * a.shape[1] * a.itemsize
+            header[f"{path}.{k}"] = {"dtype": _ST_DTYPES[a.dtype], "shape": [n, a.shape[1]],
+                                     "data_offsets": [offset, offset + size]}
+            offset += size
+        tmp = part.with_suffix(".tmp.safetensors")
+        scales, biases = [], []
+        with open(tmp, "wb") as fh:
+            fh.write(_header_bytes(header))
+            for start in range(0, n, chunk):
+                out = quantize_tensor(rows[start:start + chunk], fmt)
+                mx.eval(out)
+                fh.write(_raw(out["weight"]))
+                scales.append(_raw(out["scales"]))
+                biases.append(_raw(out["biases"]))
+                del out
+            for block in scales + biases:
+                fh.write(block)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, part)
+
     def flush(self) -> bool:
         if not self.pending:
             return False
@@ -87,6 +147,16 @@ class _Shards:
         os.replace(tmp, name)
         self.pending, self.nbytes = {}, 0
         return True
+
+
+_ST_DTYPES = {mx.uint32: "U32", mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
+
+
+def _raw(a: mx.array) -> bytes:
+    """An array's bytes in row-major order (bf16 through its 16-bit pattern)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a, copy=False).tobytes()
 
 
 def _save_state(folder: Path, state: dict, hidden: dict[str, mx.array]) -> None:
@@ -109,13 +179,10 @@ def load_state(folder: Path, key: str) -> tuple[dict | None, dict]:
         return None, {}
 
 
-def _mtp_tensors(src: Path) -> dict[str, mx.array]:
-    """The MTP head's tensors as the checkpoint stores them (mlx-lm's sanitize drops them)."""
-    out = {}
-    for f in sorted(src.glob("*.safetensors")):
-        arrays = mx.load(str(f))
-        out.update({k: v for k, v in arrays.items() if k.startswith("mtp.")})
-    return out
+def _mtp_tensors(stream: LayerStream) -> dict[str, mx.array]:
+    """The MTP head's tensors as the checkpoint stores them (mlx-lm's sanitize drops them),
+    unevaluated: the caller reads them one at a time."""
+    return stream.checkpoint.lazy(lambda k: k.startswith("mtp."))
 
 
 # The MTP head's linears in every variant (fc, its layer's projections): the head only drafts,
@@ -143,13 +210,16 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
         h_q = stream.embed(heldout_rows, formats.get(f"{stream.prefix}.embed_tokens"))
         h_cal = stream.embed(cal_rows) if awq else None
         first = _Shards(partial, 0)
-        layers_prefix = f"{stream.prefix}.layers."
-        for name, value in tree_flatten(stream.model.parameters()):
-            if name.startswith(layers_prefix):
-                continue
+        for name, value in sorted(stream.outer_weights.items()):
             owner = name.rsplit(".", 1)[0]
             if owner in outer and name.endswith(".weight"):
-                first.add(_tensor_out(owner, value, formats.get(owner)))
+                rows, fmt = stream.rows(owner), formats.get(owner)
+                if isinstance(rows, Rows) and (fmt is None or fmt.bits == 16):
+                    first.copy(name, rows)
+                elif isinstance(rows, Rows):
+                    first.quantized(owner, rows, fmt)
+                else:
+                    first.add(_tensor_out(owner, rows, fmt))
             else:
                 first.add({name: value})
         first.flush()
@@ -164,34 +234,36 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
         progress.stage("awq+write" if awq else "write", n)
         progress.step(state["next_layer"])
     for i in range(state["next_layer"], n):
-        layer = stream.layers[i]
         base = stream.layer_path(i)
-        h_ref_next = stream.run_layer(i, h_ref)
-        if awq:
-            with stream.float32(layer):
+        if awq:  # the unquantized layer: AWQ's inputs, the next layer's, the reference
+            with stream.layer(i, float32=True) as layer:
                 inputs = group_inputs(layer, h_cal)
-            h_cal_next = stream.run_layer(i, h_cal)
-            groups = awq_layer(i, layer, inputs, formats, stream.prefix)
-            state["awq"] += [[g.layer, g.norm, g.members, g.alpha, g.error_before, g.error_after]
-                             for g in groups]
-        tensors = {}
-        swapped = {}
-        for rel, module in quantizable(layer).items():
-            fmt = formats.get(f"{base}.{rel}")
-            tensors.update(_tensor_out(f"{base}.{rel}", module.weight, fmt))
-            swapped[rel] = module.weight
-            if fmt is not None and fmt.bits != 16:
-                module.weight = fake_quantize(module.weight, fmt)  # what the variant computes
-        for name, value in tree_flatten(layer.parameters()):
-            owner, leaf = name.rsplit(".", 1)
-            if not (owner in swapped and leaf == "weight"):
-                tensors[f"{base}.{name}"] = value
-        h_q = stream.run_layer(i, h_q)
-        for rel, w in swapped.items():
-            _get_child(layer, rel).weight = w
-        shards.add(tensors)
-        # this layer is done: its weights are no longer needed in memory
-        layer.update(tree_map(lambda a: mx.zeros((1,), dtype=a.dtype), layer.parameters()))
+                h_cal_next = stream.apply(i, layer, h_cal)
+                h_ref_next = stream.apply(i, layer, h_ref)
+        else:
+            h_ref_next = stream.run_layer(i, h_ref)
+        with stream.layer(i) as layer:  # stored dtypes: what the variant is made from
+            if awq:
+                groups = awq_layer(i, layer, inputs, formats, stream.prefix)
+                del inputs
+                state["awq"] += [[g.layer, g.norm, g.members, g.alpha, g.error_before, g.error_after]
+                                 for g in groups]
+            tensors = {}
+            swapped = set()
+            for rel, module in quantizable(layer).items():
+                fmt = formats.get(f"{base}.{rel}")
+                tensors.update(_tensor_out(f"{base}.{rel}", module.weight, fmt))
+                swapped.add(rel)
+                if fmt is not None and fmt.bits != 16:
+                    module.weight = fake_quantize(module.weight, fmt)  # what the variant computes
+            for name, value in tree_flatten(layer.parameters()):
+                owner, leaf = name.rsplit(".", 1)
+                if not (owner in swapped and leaf == "weight"):
+                    tensors[f"{base}.{name}"] = value
+            shards.add(tensors)
+            del tensors
+            layer.update(tree_map(_f32, layer.parameters()))
+            h_q = stream.apply(i, layer, h_q)
         h_ref = h_ref_next
         if awq:
             h_cal = h_cal_next
@@ -204,10 +276,11 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
         progress.stage("checking", 1, "KLD of the variant against the checkpoint on held-out tokens")
     result.measured_kld, result.measured_top1 = _fidelity(stream, h_ref, h_q, formats)
     result.awq = state["awq"]
-    mtp = _mtp_tensors(stream.folder)
+    mtp = _mtp_tensors(stream)
     if mtp:
         extra = _Shards(partial, state["shards"])
-        for name, w in sorted(mtp.items()):
+        for name in sorted(mtp):
+            w = mtp.pop(name)  # read, written, dropped: one tensor of the head at a time
             # norms and MoE router gates as stored (the model's own gates keep 8 bits or more)
             fmt = MTP_FORMAT if name.endswith(".weight") and w.ndim == 2 and w.shape[-1] % 32 == 0 \
                 and "norm" not in name and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) \
@@ -220,6 +293,9 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
             else:
                 extra.add({f"{name.removesuffix('.weight')}.{k}": v
                            for k, v in quantize_tensor(w, fmt).items()})
+            del w
+            if extra.nbytes > SHARD_BYTES // 4:
+                extra.flush()
         extra.flush()
         state["shards"] = extra.index
     result.shards = state["shards"]
@@ -253,10 +329,22 @@ def _fidelity(stream: LayerStream, h_ref: mx.array, h_q: mx.array,
     return float(kld.mean().item()), float(same.astype(mx.float32).mean().item())
 
 
-def _header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        return json.loads(fh.read(n)), 8 + n
+def _header_bytes(header: dict) -> bytes:
+    """A safetensors header as written: its length, then JSON padded so the data stays 8-byte
+    aligned, as writers do."""
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _copy_bytes(fh, path: Path, start: int, n: int) -> None:
+    """n bytes of `path` from `start` appended to `fh`, 16 MB at a time."""
+    with open(path, "rb") as src:
+        src.seek(start)
+        while n:
+            block = src.read(min(n, 1 << 24))
+            fh.write(block)
+            n -= len(block)
 
 
 def merge_safetensors(parts: list[Path], out: Path) -> None:
@@ -265,7 +353,7 @@ def merge_safetensors(parts: list[Path], out: Path) -> None:
     offset = 0
     sources = []
     for part in parts:
-        h, start = _header(part)
+        h, start = read_header(part)
         for name, info in h.items():
             if name == "__metadata__":
                 continue
@@ -273,19 +361,11 @@ def merge_safetensors(parts: list[Path], out: Path) -> None:
             header[name] = {**info, "data_offsets": [offset, offset + e - b]}
             sources.append((part, start + b, e - b))
             offset += e - b
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as writers do
     tmp = out.with_suffix(".tmp")
     with open(tmp, "wb") as fh:
-        fh.write(len(raw).to_bytes(8, "little"))
-        fh.write(raw)
+        fh.write(_header_bytes(header))
         for part, start, n in sources:
-            with open(part, "rb") as src:
-                src.seek(start)
-                while n:
-                    block = src.read(min(n, 1 << 24))
-                    fh.write(block)
-                    n -= len(block)
+            _copy_bytes(fh, part, start, n)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out)
@@ -315,7 +395,7 @@ def finalize(stream: LayerStream, partial: Path, dst: Path, formats: dict[str, F
             merge_safetensors(group, partial / name)
             for part in group:
                 part.unlink()
-        header, _ = _header(partial / name)
+        header, _ = read_header(partial / name)
         for tensor, info in header.items():
             if tensor != "__metadata__":
                 weight_map[tensor] = name

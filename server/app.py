@@ -50,7 +50,8 @@ def ensure_shared_variant(s: Settings, resolved, progress, group=None, label: st
         return ensure_variant(resolved, recipe, s.model.cache_dir, progress, target_bpw=bpw,
                               calibration=s.quant.calibration or None,
                               sensitivity=s.quant.sensitivity,
-                              sensitivity_seconds=s.quant.sensitivity_seconds)
+                              sensitivity_seconds=s.quant.sensitivity_seconds,
+                              memory_gb=s.quant.memory_gb)
 
     if group is None or group.size() == 1:
         return ensure()

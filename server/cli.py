@@ -245,12 +245,13 @@ def cmd_quantize(args) -> int:
             raise SettingsError(f"--out {out} exists; choose a new folder")
         manifest = quantize(resolved, q.recipe, out, target_bpw=bpw, calibration=q.calibration or None,
                             sensitivity=q.sensitivity, sensitivity_seconds=q.sensitivity_seconds,
-                            progress=progress, cache_root=Path(m.cache_dir).expanduser())
+                            progress=progress, cache_root=Path(m.cache_dir).expanduser(),
+                            memory_gb=q.memory_gb)
         path = out
     else:
         variant = ensure_variant(resolved, q.recipe, m.cache_dir, progress, target_bpw=bpw,
                                  calibration=q.calibration or None, sensitivity=q.sensitivity,
-                                 sensitivity_seconds=q.sensitivity_seconds)
+                                 sensitivity_seconds=q.sensitivity_seconds, memory_gb=q.memory_gb)
         manifest, path = variant.manifest, variant.path
     bar.close()
     print(json.dumps({"path": str(path), "recipe": q.recipe,

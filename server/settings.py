@@ -51,6 +51,9 @@ class QuantSettings(_Section):
         "ablation when it fits sensitivity_seconds, else probe")
     sensitivity_seconds: float = Field(120.0, gt=0, description="time budget of the sensitivity "
                                        "measurement at a first start (auto and probe)")
+    memory_gb: float = Field(0.0, ge=0, description="memory a first start may use, in GB; 0: what "
+                             "the machine (or the container's cgroup) has available. The plan is "
+                             "logged and shown on /ready before any work; a plan over it is refused")
     variants: list[str] = Field(default_factory=list, description="serve several variants side by "
                                 "side, e.g. [\"mixbit-auto\", \"uniform-4\", \"bf16\"] (a recipe, "
                                 "or mixbit-auto@BPW), each as <name>:<variant>, the bare <name> being "

@@ -196,3 +196,62 @@ def test_first_start_progress_on_ready_and_metrics(tmp_path):
     assert with_eta and all(set(p) >= {"stage", "step", "total", "eta_s", "elapsed_s"} for p in with_eta)
     assert any(g.startswith("mixbit_startup_progress_ratio{stage=") for g in gauges)
     assert any(g.startswith("mixbit_startup_eta_seconds{stage=") for g in gauges)
+    # the memory plan is on /ready from the first stage that does work, within its budget
+    plans = [p["memory"] for p in progress if p["stage"] in ("activations", "sensitivity") and "memory" in p]
+    assert plans and 0 < plans[0]["planned_gb"] <= plans[0]["budget_gb"], progress[:3]
+    assert {"layer", "runtime"} <= set(plans[0]["parts_gb"])
+
+
+def test_memory_of_a_first_start_does_not_grow_with_depth(tmp_path_factory):
+    """Quantizing reads one layer at a time: MLX's own peak allocation over a whole mixbit-auto
+    first start (activations, probes, errors, AWQ + write, check) is the same at 4 and 8 layers
+    (the old pipeline kept every layer it had read: 4 more layers, their bytes more)."""
+    from mixbit.quant.variants import quantize
+
+    peaks, sizes = {}, {}
+    for n in (4, 8):
+        folder = write_checkpoint(f"tiny-wide-{n}l", tmp_path_factory.mktemp(f"wide{n}") / "ckpt")
+        sizes[n] = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        dst = tmp_path_factory.mktemp(f"out{n}") / "variants" / "v"
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        manifest = quantize(resolve(str(folder)), "mixbit-auto", dst, target_bpw=4.5,
+                            sensitivity="probe", sensitivity_seconds=3)
+        peaks[n] = mx.get_peak_memory()
+        assert artifact.verify(dst) is None and manifest["measured_kld"] >= 0
+        assert not (dst / "layer-inputs").exists()
+    # 4 more layers are 84 MB more checkpoint; holding what it read (the old pipeline) costs
+    # all of it, and the rest of the peak (2,048 calibration tokens' activations) is ~380 MB
+    assert sizes[8] - sizes[4] > 80e6
+    assert peaks[8] <= peaks[4] + 0.1 * (sizes[8] - sizes[4]), (peaks, sizes)
+
+
+def test_a_memory_budget_too_small_is_refused_before_any_work(tmp_path, tiny_dense):
+    cache = tmp_path / "cache"
+    with pytest.raises(MemoryError, match="quant.memory_gb"):
+        ensure_variant(resolve(str(tiny_dense)), "uniform-4", cache_dir=str(cache), memory_gb=0.01)
+    variants = cache / "variants"
+    assert not variants.exists() or [p for p in variants.iterdir() if not p.name.startswith(".")] == []
+    said = []
+    v = ensure_variant(resolve(str(tiny_dense)), "uniform-4", cache_dir=str(cache), memory_gb=8,
+                       progress=said.append)
+    assert artifact.verify(v.path) is None
+    assert any("memory: about" in s and "of a 8.0 GB budget" in s for s in said), said
+
+
+def test_experts_in_chunks_compute_what_switchglu_does(tiny_moe):
+    from mixbit.quant.stream import LayerStream
+
+    stream = LayerStream(tiny_moe)
+    x = mx.random.normal((2, 16, stream.lm.args.hidden_size), key=mx.random.key(0))
+    with stream.layer(0, float32=True) as layer:
+        moe = layer.mlp
+        assert moe.expert_chunk == moe.num_experts  # the whole (tiny) stack fits one chunk
+        assert moe.switch_mlp.gate_proj.weight.dtype == mx.bfloat16  # experts keep their dtype
+        outs = {}
+        for chunk in (0, 1, 3):
+            moe.expert_chunk = chunk
+            outs[chunk] = moe(x)
+        moe.expert_chunk = moe.num_experts
+    assert mx.allclose(outs[1], outs[0], atol=1e-5, rtol=1e-4).item()
+    assert mx.allclose(outs[3], outs[0], atol=1e-5, rtol=1e-4).item()

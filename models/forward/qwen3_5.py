@@ -316,6 +316,10 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(dim, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
         self.sharding_group = None
+        # > 0: routed experts computed this many experts at a time, each chunk's weights cast to
+        # the input's dtype on their own (quantizing at 256 experts: never a whole layer's
+        # experts in float32); 0: SwitchGLU over all of them
+        self.expert_chunk = 0
 
     def __call__(self, x, phase: str | None = None) -> mx.array:
         phase = phase_of(x, phase)
@@ -327,12 +331,46 @@ class SparseMoeBlock(nn.Module):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        if self.expert_chunk:
+            y = self._routed_in_chunks(x, inds, scores)
+        else:
+            y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
         shared = mx.sigmoid(project(self.shared_expert_gate, x, phase)) * self.shared_expert(x, phase)
         y = y + shared
         if self.sharding_group is not None:
             y = mx.distributed.all_sum(y, group=self.sharding_group)
         return y
+
+
+    def _routed_in_chunks(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        """The routed experts' sum, `expert_chunk` experts at a time: the (token, slot) pairs
+        routed into a chunk run against that chunk's weights only (evaluated per chunk)."""
+        import numpy as np
+
+        sw = self.switch_mlp
+        flat = x.reshape(-1, x.shape[-1])
+        routes = np.array(inds.reshape(flat.shape[0], -1))
+        weights = scores.reshape(flat.shape[0], -1).astype(x.dtype)
+        out = mx.zeros_like(flat)
+        for e0 in range(0, self.num_experts, self.expert_chunk):
+            tok, slot = np.nonzero((routes >= e0) & (routes < e0 + self.expert_chunk))
+            if tok.size == 0:
+                continue
+            t, k = mx.array(tok), mx.array(slot)
+            experts = mx.array(routes[tok, slot] - e0)
+            xs = flat[t][:, None, :]
+
+            def proj(layer, h):
+                if hasattr(layer, "observe"):  # a wrapper that records its inputs (quantizing)
+                    layer.observe(h)
+                w = layer.weight[e0:e0 + self.expert_chunk].astype(x.dtype)
+                return mx.gather_mm(h, w.swapaxes(-1, -2), rhs_indices=experts)
+
+            h = swiglu(proj(sw.gate_proj, xs), proj(sw.up_proj, xs))
+            y = proj(sw.down_proj, h)[:, 0, :] * weights[t, k][:, None]
+            out = out.at[t].add(y)
+            mx.eval(out)
+        return out.reshape(x.shape)
 
 
 class DecoderLayer(nn.Module):

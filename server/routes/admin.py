@@ -29,6 +29,8 @@ async def ready(request: Request):
     body = {"status": state.status, "detail": state.detail, "uptime_s": round(time.time() - state.started, 1)}
     if state.startup is not None:  # stage, step k of n, ETA of the stage
         body["progress"] = state.startup.snapshot().as_dict()
+        if state.startup.memory:  # what the first start will hold, said before it starts
+            body["progress"]["memory"] = state.startup.memory
     if state.variants:  # each variant's engine, and their sum
         engines = {v.served_id: {"running": v.engine.stats.running, "waiting": v.engine.stats.waiting,
                                  "in_flight": v.inflight,
