@@ -150,8 +150,34 @@ SHAPES: dict[str, dict] = {
                         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                         "num_experts": 16, "num_experts_per_tok": 8,
                         "tie_word_embeddings": False},
+    # The sizes people run, at full width and reduced in depth only (3:1 layer pattern kept, the
+    # MTP layer, the vision stand-in and the 248k vocabulary as published): quantizing them
+    # measures time per layer and whether memory grows with depth (sizes_bench.py). Values from
+    # the published config.json files (Qwen/Qwen3.5-9B verbatim through an MLX conversion of it;
+    # Qwen/Qwen3.5-27B as transcribed from its config.json and Qwen's Megatron arguments;
+    # Qwen/Qwen3.5-35B-A3B from transformers' dump of its config), full depths 32, 64 and 40.
+    **{f"9b-{n}l": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": n,
+                    "num_attention_heads": 16, "num_key_value_heads": 4,
+                    "linear_num_value_heads": 32, "tie_word_embeddings": False,
+                    "eos_token_id": 248044} for n in (4, 8)},
+    "9b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+           "num_attention_heads": 16, "num_key_value_heads": 4, "linear_num_value_heads": 32,
+           "tie_word_embeddings": False, "eos_token_id": 248044},
+    **{f"27b-{n}l": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": n,
+                     "num_attention_heads": 24, "num_key_value_heads": 4,
+                     "linear_num_value_heads": 48, "tie_word_embeddings": False,
+                     "eos_token_id": 248044} for n in (4, 8)},
+    **{f"35b-a3b-{n}l": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048,
+                         "num_hidden_layers": n, "num_attention_heads": 16,
+                         "num_key_value_heads": 2, "linear_num_value_heads": 32,
+                         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                         "num_experts": 256, "num_experts_per_tok": 8,
+                         "tie_word_embeddings": False, "eos_token_id": 248044} for n in (4, 8)},
     # Same structures, tiny, with the embedded model's 4,096-token tokenizer: for fast tests.
     "tiny": dict(_TINY),
+    # Wider than tiny, at 4 and 8 layers: a test that quantizing's memory does not grow with depth.
+    **{f"tiny-wide-{n}l": {**_TINY, "hidden_size": 1024, "intermediate_size": 3072,
+                           "num_hidden_layers": n} for n in (4, 8)},
     "tiny-moe": {**{k: v for k, v in _TINY.items() if k != "intermediate_size"},
                  "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 64,
                  "shared_expert_intermediate_size": 64, "num_experts": 4,

@@ -3,6 +3,7 @@ kill -9, and a short serving check. Random weights in the published layout (real
 they measure time and memory, not quality.
 
     .venv/bin/python tests/bench/sizes_bench.py --shapes 0.8b,2b,35b-a3b-reduced [--resume]
+    .venv/bin/python tests/bench/sizes_bench.py --shapes 9b-4l,9b-8l,27b-4l,27b-8l --no-serve
 
 For each shape: writes the checkpoint once (.cache/shapes/<shape>), runs `mixbit quantize`
 (mixbit-auto, defaults) under /usr/bin/time -v into a fresh cache, and reads the stages from
@@ -48,22 +49,60 @@ def _env() -> dict:
     return env
 
 
+def _anon_kb(pid: int) -> int:
+    """RssAnon of a process and its descendants (kB): memory the kernel cannot drop, unlike
+    the file-backed pages of a memory-mapped checkpoint that RSS counts too."""
+    total = 0
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("RssAnon:"):
+                total += int(line.split()[1])
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in open(f"/proc/{pid}/task/{task}/children").read().split():
+                total += _anon_kb(int(child))
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def largest_layer_gb(folder: Path) -> float:
+    """The largest decoder layer's bytes as stored (bf16), from the safetensors headers."""
+    sys.path.insert(0, str(ROOT))
+    from mixbit.quant.checkpoint import Checkpoint
+
+    ck = Checkpoint(folder)
+    per: dict = {}
+    for name, e in ck.entries.items():
+        parts = name.split(".")
+        if name.startswith("model.language_model.layers."):
+            per[parts[3]] = per.get(parts[3], 0) + e.nbytes
+    return max(per.values()) / 1e9
+
+
 def quantize(folder: Path, cache: Path, log: Path) -> dict:
     cmd = ["/usr/bin/time", "-v", *MIXBIT, "quantize", "--model", str(folder),
            "--set", f"model.cache_dir='{cache}'"]
     started = time.time()
+    peak_anon = 0
     with open(log, "w") as fh:
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT).returncode
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        while proc.poll() is None:  # sampled 5 times a second
+            peak_anon = max(peak_anon, _anon_kb(proc.pid))
+            time.sleep(0.2)
+        rc = proc.returncode
     wall = time.time() - started
     text = log.read_text()
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
-    out = {"rc": rc, "wall_s": wall, "peak_rss_gb": int(rss.group(1)) / 1e6 if rss else None}
+    out = {"rc": rc, "wall_s": wall, "peak_rss_gb": int(rss.group(1)) / 1e6 if rss else None,
+           "peak_anon_gb": peak_anon / 1e6}
     line = next((ln for ln in text.splitlines() if ln.startswith("{\"path\"")), None)
     if line:
         info = json.loads(line)
         recipe = json.loads((Path(info["path"]) / "recipe.json").read_text())
         out.update(path=info["path"], bytes=recipe["bytes"], bpw=recipe["bits_per_weight"],
                    stages=recipe.get("stages_s", {}), method=recipe.get("sensitivity_method"),
+                   stages_anon_gb=recipe.get("stages_peak_anon_gb", {}),
+                   memory_plan=recipe.get("memory_plan", {}),
                    probes=recipe.get("sensitivity_probes"), kld=recipe.get("measured_kld"))
     return out
 
@@ -139,16 +178,27 @@ def main() -> None:
     ap.add_argument("--shapes", default="0.8b,2b")
     ap.add_argument("--resume", action="store_true", help="also kill -9 a first start at half time")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--delete", action="store_true", help="remove each written checkpoint after its "
+                    "row (the big shapes take 6-18 GB of disk each)")
+    ap.add_argument("--table", action="store_true", help="only print the table of the rows saved by "
+                    "earlier runs (.cache/sizes-bench/rows.json)")
     args = ap.parse_args()
-    rows = []
     logs = ROOT / ".cache" / "sizes-bench"
     logs.mkdir(parents=True, exist_ok=True)
+    saved_rows = logs / "rows.json"
+    try:
+        kept = json.loads(saved_rows.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if args.table:
+        return _print([kept[s] for s in args.shapes.split(",") if s in kept])
+    rows = []
     for shape in args.shapes.split(","):
         folder = checkpoint(shape)
         ckpt_gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
         cache = Path(tempfile.mkdtemp(prefix=f"mixbit-{shape}-"))
         q = quantize(folder, cache, logs / f"{shape}-quantize.log")
-        row = {"shape": shape, "checkpoint_gb": ckpt_gb, **q}
+        row = {"shape": shape, "checkpoint_gb": ckpt_gb, "layer_gb": largest_layer_gb(folder), **q}
         print(f"{shape}: {json.dumps(row)}", flush=True)
         if args.resume and q["rc"] == 0:
             row["resume"] = killed_then_resumed(folder, q["wall_s"], logs / f"{shape}-resume.log")
@@ -157,10 +207,19 @@ def main() -> None:
             row["serve"] = serve_check(folder, cache, logs / f"{shape}-serve.log")
             print(f"{shape} serve: {row['serve']}", flush=True)
         shutil.rmtree(cache, ignore_errors=True)
+        if args.delete:
+            shutil.rmtree(folder, ignore_errors=True)
         rows.append(row)
-    print("\n| shape | checkpoint | first start | stages (s) | peak RSS | RSS - checkpoint | variant "
-          "| bits/weight | sensitivity | killed at half, restart | serve: ready / TTFT / decode / RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+        kept[shape] = row
+        saved_rows.write_text(json.dumps(kept, indent=1))
+    _print(rows)
+
+
+def _print(rows: list[dict]) -> None:
+    print("\n| shape | checkpoint | first start | stages (s) | peak anonymous (sampled) | target: 3 GB + "
+          "largest layer | peak RSS (incl. mapped file) | variant | bits/weight | sensitivity | "
+          "killed at half, restart | serve: ready / TTFT / decode / RSS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         stages = ", ".join(f"{k} {v:.0f}" for k, v in r.get("stages", {}).items())
         res = r.get("resume")
@@ -168,10 +227,37 @@ def main() -> None:
         s = r.get("serve") or {}
         serve = (f"{s['ready_s']:.0f} s / {s['ttft_s']:.2f} s / {s['decode_tok_s']:.1f} tok/s / "
                  f"{s['rss_gb']:.2f} GB") if s.get("ready_s") else "-"
+        target = 3 + r["layer_gb"]
         print(f"| {r['shape']} | {r['checkpoint_gb']:.2f} GB | {r['wall_s']:.0f} s | {stages} | "
-              f"{r['peak_rss_gb']:.2f} GB | {r['peak_rss_gb'] - r['checkpoint_gb']:+.2f} GB | "
+              f"**{r['peak_anon_gb']:.2f} GB** | {target:.2f} GB "
+              f"({'met' if r['peak_anon_gb'] <= target else 'NOT met'}) | {r['peak_rss_gb']:.2f} GB | "
               f"{r.get('bytes', 0) / 1e9:.3f} GB | {r.get('bpw', 0):.2f} | "
               f"{r.get('method')} ({r.get('probes')} probes) | {resume} | {serve} |")
+    _depth_table(rows)
+
+
+FULL_DEPTH = {"9b": 32, "27b": 64, "35b-a3b": 40}
+
+
+def _depth_table(rows: list[dict]) -> None:
+    """Shapes run at 4 and 8 layers: memory growth with depth, seconds per layer, and the
+    first start extrapolated to the published depth (fixed cost + depth x per-layer cost)."""
+    by = {r["shape"]: r for r in rows if r.get("rc") == 0}
+    lines = []
+    for model, depth in FULL_DEPTH.items():
+        a, b = by.get(f"{model}-4l"), by.get(f"{model}-8l")
+        if not (a and b):
+            continue
+        per = (b["wall_s"] - a["wall_s"]) / 4
+        fixed = a["wall_s"] - 4 * per
+        growth = b["peak_anon_gb"] / a["peak_anon_gb"] - 1
+        lines.append(f"| {model} | {a['peak_anon_gb']:.2f} / {b['peak_anon_gb']:.2f} GB ({100 * growth:+.0f}%) | "
+                     f"{per:.0f} s | {fixed:.0f} s | {depth} | **{(fixed + depth * per) / 60:.0f} min** |")
+    if lines:
+        print("\n| model | peak anonymous 4 / 8 layers | seconds per layer | fixed | full depth | "
+              "first start extrapolated |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
