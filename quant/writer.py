@@ -250,12 +250,18 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
                                  for g in groups]
             tensors = {}
             swapped = set()
+            # tensor by tensor: its output made, then the weight replaced by what the variant
+            # computes (float32 for the check's forward) before the next one is touched, so
+            # only one tensor's temporaries exist at a time
             for rel, module in quantizable(layer).items():
                 fmt = formats.get(f"{base}.{rel}")
-                tensors.update(_tensor_out(f"{base}.{rel}", module.weight, fmt))
+                out = _tensor_out(f"{base}.{rel}", module.weight, fmt)
+                mx.eval(out)
+                tensors.update(out)
                 swapped.add(rel)
-                if fmt is not None and fmt.bits != 16:
-                    module.weight = fake_quantize(module.weight, fmt)  # what the variant computes
+                quantized = fmt is not None and fmt.bits != 16
+                module.weight = _f32(fake_quantize(module.weight, fmt) if quantized else module.weight)
+                mx.eval(module.weight)
             for name, value in tree_flatten(layer.parameters()):
                 owner, leaf = name.rsplit(".", 1)
                 if not (owner in swapped and leaf == "weight"):
