@@ -28,7 +28,7 @@ from .awq import awq_layer, group_inputs
 from .formats import Format, fake_quantize, quantizable
 from .progress import Progress
 from .checkpoint import Rows, read_header
-from .stream import ChunkedFakeQuant, LayerStream, _f32
+from .stream import ChunkedFakeQuant, LayerStream, _f32, _set_child
 
 SHARD_BYTES = 1 << 30  # a shard is written once its layers reach this size
 STATE = "state.json"
@@ -253,23 +253,35 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
             # tensor by tensor: its output made, then the weight replaced by what the variant
             # computes (float32 for the check's forward) before the next one is touched, so
             # only one tensor's temporaries exist at a time
-            for rel, module in quantizable(layer).items():
-                fmt = formats.get(f"{base}.{rel}")
-                out = _tensor_out(f"{base}.{rel}", module.weight, fmt)
-                mx.eval(out)
-                tensors.update(out)
-                swapped.add(rel)
-                quantized = fmt is not None and fmt.bits != 16
-                module.weight = _f32(fake_quantize(module.weight, fmt) if quantized else module.weight)
-                mx.eval(module.weight)
-            for name, value in tree_flatten(layer.parameters()):
-                owner, leaf = name.rsplit(".", 1)
-                if not (owner in swapped and leaf == "weight"):
-                    tensors[f"{base}.{name}"] = value
-            shards.add(tensors)
-            del tensors
-            layer.update(tree_map(_f32, layer.parameters()))
-            h_q = stream.apply(i, layer, h_q)
+            experts = []  # (path, stacked experts' module) replaced by their quantized form
+            try:
+                for rel, module in quantizable(layer).items():
+                    fmt = formats.get(f"{base}.{rel}")
+                    out = _tensor_out(f"{base}.{rel}", module.weight, fmt)
+                    mx.eval(out)
+                    tensors.update(out)
+                    swapped.add(rel)
+                    quantized = fmt is not None and fmt.bits != 16
+                    if quantized and module.weight.ndim == 3:
+                        # 256 stacked experts: the check computes from the packed output, a
+                        # chunk of experts dequantized at a time, never a second full copy
+                        experts.append((rel, module))
+                        _set_child(layer, rel, _packed_experts(module, out, f"{base}.{rel}", fmt))
+                        module.weight = mx.zeros((1,), dtype=module.weight.dtype)  # released
+                        continue
+                    module.weight = _f32(fake_quantize(module.weight, fmt) if quantized else module.weight)
+                    mx.eval(module.weight)
+                for name, value in tree_flatten(layer.parameters()):
+                    owner, leaf = name.rsplit(".", 1)
+                    if not (owner in swapped and (leaf == "weight" or owner in dict(experts))):
+                        tensors[f"{base}.{name}"] = value
+                shards.add(tensors)
+                del tensors
+                layer.update(tree_map(_f32, layer.parameters()))
+                h_q = stream.apply(i, layer, h_q)
+            finally:
+                for rel, module in experts:
+                    _set_child(layer, rel, module)
         h_ref = h_ref_next
         if awq:
             h_cal = h_cal_next
@@ -308,6 +320,16 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
     if progress:
         progress.step(1)
     return result
+
+
+def _packed_experts(module, out: dict[str, mx.array], path: str, fmt: Format):
+    """mlx-lm's quantized form of a stack of experts holding the variant's own packed tensors."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    n, rows, cols = module.weight.shape
+    packed = QuantizedSwitchLinear(cols, rows, n, bias=False, group_size=fmt.group_size, bits=fmt.bits)
+    packed.update({k: out[f"{path}.{k}"] for k in ("weight", "scales", "biases")})
+    return packed
 
 
 def _hidden(h_ref, h_q, h_cal) -> dict[str, mx.array]:

@@ -252,6 +252,22 @@ def test_experts_in_chunks_compute_what_switchglu_does(tiny_moe):
         for chunk in (0, 1, 3):
             moe.expert_chunk = chunk
             outs[chunk] = moe(x)
+        # quantized experts: chunks dequantized from the packed form = the fake-quantized stack
+        from mixbit.quant.formats import Format, fake_quantize
+        from mixbit.quant.writer import _packed_experts, _tensor_out
+
+        fmt, stored = Format(4, 64), moe.switch_mlp.up_proj
+        packed = _packed_experts(stored, _tensor_out("up", stored.weight, fmt), "up", fmt)
+        moe.expert_chunk = 1
+        fake = fake_quantize(stored.weight, fmt)
+        original = stored.weight
+        stored.weight = fake
+        want = moe(x)
+        stored.weight = original
+        moe.switch_mlp.up_proj = packed
+        got = moe(x)
+        moe.switch_mlp.up_proj = stored
         moe.expert_chunk = moe.num_experts
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-4).item() and not mx.allclose(got, outs[0]).item()
     assert mx.allclose(outs[1], outs[0], atol=1e-5, rtol=1e-4).item()
     assert mx.allclose(outs[3], outs[0], atol=1e-5, rtol=1e-4).item()

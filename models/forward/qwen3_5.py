@@ -363,8 +363,13 @@ class SparseMoeBlock(nn.Module):
             def proj(layer, h):
                 if hasattr(layer, "observe"):  # a wrapper that records its inputs (quantizing)
                     layer.observe(h)
-                w = layer.weight[e0:e0 + self.expert_chunk].astype(x.dtype)
-                return mx.gather_mm(h, w.swapaxes(-1, -2), rhs_indices=experts)
+                e1 = e0 + self.expert_chunk
+                if "scales" in layer:  # quantized experts: this chunk dequantized on its own
+                    w = mx.dequantize(layer.weight[e0:e1], layer.scales[e0:e1], layer.biases[e0:e1],
+                                      group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+                else:
+                    w = layer.weight[e0:e1]
+                return mx.gather_mm(h, w.astype(x.dtype).swapaxes(-1, -2), rhs_indices=experts)
 
             h = swiglu(proj(sw.gate_proj, xs), proj(sw.up_proj, xs))
             y = proj(sw.down_proj, h)[:, 0, :] * weights[t, k][:, None]
