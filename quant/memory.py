@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .stream import EXPERT_CHUNK_BYTES
+
 GB = 1e9
 
 
@@ -87,13 +89,14 @@ def plan(stream, cal_tokens: int, check_tokens: int, probe_ref_bytes: int, budge
     hidden = int(args.hidden_size)
     inter = max(int(getattr(args, "intermediate_size", 0) or 0),
                 int(getattr(args, "moe_intermediate_size", 0) or 0) * int(getattr(args, "num_experts_per_tok", 1) or 1))
-    layer = max(stream.layer_bytes) if stream.layer_bytes else 0
+    # a layer as stored, a float32 copy of all but its routed experts (those: one chunk)
+    layer = max((2.5 * (b - e) + 1.2 * e + (EXPERT_CHUNK_BYTES if e else 0)
+                 for b, e in zip(stream.layer_bytes, stream.expert_bytes)), default=0)
     vocab = stream.vocab
     rows = head_chunk_rows or vocab
     parts = {
         "runtime": anon_bytes(),
-        # float32 copy (2x bf16) + what is cast or written beside it
-        "layer": int(2.5 * layer),
+        "layer": int(layer),
         "head chunk": rows * hidden * 6 + 64 * rows * 4,
         "references": probe_ref_bytes + check_tokens * vocab * 4 * 2,
         # hidden states (reference, quantized, calibration, recorded) + one MLP's activations

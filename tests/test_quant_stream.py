@@ -271,3 +271,20 @@ def test_experts_in_chunks_compute_what_switchglu_does(tiny_moe):
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-4).item() and not mx.allclose(got, outs[0]).item()
     assert mx.allclose(outs[1], outs[0], atol=1e-5, rtol=1e-4).item()
     assert mx.allclose(outs[3], outs[0], atol=1e-5, rtol=1e-4).item()
+
+
+def test_streamed_kl_matches_the_direct_one_even_when_tiny(tiny_dense):
+    """The head is read in chunks, but the KL of two nearly equal distributions (what a probe
+    of a robust tensor measures) stays what the full log-softmax gives, not float32 noise."""
+    from mixbit.quant.stream import LayerStream, kld_rows
+
+    stream = LayerStream(tiny_dense)
+    normed = mx.random.normal((300, stream.lm.args.hidden_size), key=mx.random.key(1)) * 3
+    moved = normed + 1e-3 * mx.random.normal(normed.shape, key=mx.random.key(2))
+    ref = stream.logprobs(normed)
+    full = stream.lm.lm_head(moved) if not stream.tied else moved @ stream.head_weight()[:].astype(mx.float32).T
+    direct = kld_rows(ref, full - mx.logsumexp(full, axis=-1, keepdims=True))
+    kld, same = stream.compare(ref, moved)
+    assert 0 < float(direct.mean()) < 1e-3
+    assert mx.allclose(kld, direct, rtol=1e-3, atol=1e-8).item()
+    assert same.all().item()

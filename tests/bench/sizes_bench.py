@@ -221,7 +221,8 @@ def _print(rows: list[dict]) -> None:
           "killed at half, restart | serve: ready / TTFT / decode / RSS |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        stages = ", ".join(f"{k} {v:.0f}" for k, v in r.get("stages", {}).items())
+        st = r.get("stages", {})
+        stages = ", ".join(f"{k} {st[k]:.0f}" for k in sorted(st, key=lambda k: (STAGES + (k,)).index(k)))
         res = r.get("resume")
         resume = f"{res['second_s']:.0f} s ({100 * res['ratio']:.0f}%)" if res else "-"
         s = r.get("serve") or {}
@@ -234,28 +235,45 @@ def _print(rows: list[dict]) -> None:
               f"{r.get('bytes', 0) / 1e9:.3f} GB | {r.get('bpw', 0):.2f} | "
               f"{r.get('method')} ({r.get('probes')} probes) | {resume} | {serve} |")
     _depth_table(rows)
+    _stage_table(rows)
+
+
+STAGES = ("calibration", "activations", "sensitivity", "errors", "allocation", "awq+write", "checking")
+
+
+def _stage_table(rows: list[dict]) -> None:
+    """Each stage's sampled peak anonymous memory beside the plan made before any work."""
+    rows = [r for r in rows if r.get("stages_anon_gb")]
+    if not rows:
+        return
+    print("\n| shape | planned | " + " | ".join(STAGES) + " |")
+    print("|---|---|" + "---|" * len(STAGES))
+    for r in rows:
+        plan = r.get("memory_plan", {}).get("planned_gb")
+        cells = [f"{r['stages_anon_gb'][k]:.2f}" if k in r["stages_anon_gb"] else "-" for k in STAGES]
+        print(f"| {r['shape']} | {plan if plan is not None else '-'} | " + " | ".join(cells) + " |")
 
 
 FULL_DEPTH = {"9b": 32, "27b": 64, "35b-a3b": 40}
 
 
 def _depth_table(rows: list[dict]) -> None:
-    """Shapes run at 4 and 8 layers: memory growth with depth, seconds per layer, and the
-    first start extrapolated to the published depth (fixed cost + depth x per-layer cost)."""
+    """Shapes run at 4 and 8 layers: memory growth with depth, seconds per layer (the difference
+    over 4 layers), and the first start extrapolated to the published depth."""
     by = {r["shape"]: r for r in rows if r.get("rc") == 0}
     lines = []
     for model, depth in FULL_DEPTH.items():
         a, b = by.get(f"{model}-4l"), by.get(f"{model}-8l")
         if not (a and b):
             continue
-        per = (b["wall_s"] - a["wall_s"]) / 4
-        fixed = a["wall_s"] - 4 * per
+        per = (b["wall_s"] - a["wall_s"]) / 4  # the marginal cost of a layer
         growth = b["peak_anon_gb"] / a["peak_anon_gb"] - 1
         lines.append(f"| {model} | {a['peak_anon_gb']:.2f} / {b['peak_anon_gb']:.2f} GB ({100 * growth:+.0f}%) | "
-                     f"{per:.0f} s | {fixed:.0f} s | {depth} | **{(fixed + depth * per) / 60:.0f} min** |")
+                     f"{a['wall_s']:.0f} / {b['wall_s']:.0f} s | {per:.0f} s | {depth} | "
+                     f"**{(b['wall_s'] + (depth - 8) * per) / 60:.0f} min** |")
     if lines:
-        print("\n| model | peak anonymous 4 / 8 layers | seconds per layer | fixed | full depth | "
-              "first start extrapolated |")
+        print("\n| model | peak anonymous 4 / 8 layers | first start 4 / 8 layers | seconds per layer | "
+              "full depth | first start extrapolated (8 layers + the rest at the per-layer cost) |")
         print("|---|---|---|---|---|---|")
         print("\n".join(lines))
 
