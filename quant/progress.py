@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,8 +54,9 @@ class Progress:
     _sampler: threading.Thread | None = None
 
     def stage(self, name: str, total: int = 0, message: str = "") -> None:
-        if self._sampler is None and name:
-            self._sampler = threading.Thread(target=self._sample, name="mixbit-memory", daemon=True)
+        if self._sampler is None and name:  # holds the Progress weakly: ends with it
+            self._sampler = threading.Thread(target=_sample, args=(weakref.ref(self),),
+                                             name="mixbit-memory", daemon=True)
             self._sampler.start()
         with self._lock:
             now = time.time()
@@ -65,22 +67,6 @@ class Progress:
             self._stage_started = now
             self._snap = Snapshot(stage=name, total=total, message=message)
         self._emit(force=True)
-
-    def _sample(self) -> None:
-        """Anonymous memory (what the kernel cannot drop) sampled while stages run: the peak
-        of each stage lands in recipe.json, for the memory plan to be checked against."""
-        from .memory import anon_bytes
-
-        while True:
-            with self._lock:
-                stage = self._snap.stage
-                if stage:
-                    gb = round(anon_bytes() / 1e9, 2)
-                    if gb > self.peak_anon_gb.get(stage, 0.0):
-                        self.peak_anon_gb[stage] = gb
-                elif self.stage_seconds:  # finished
-                    return
-            time.sleep(self.sample_every_s)
 
     def step(self, k: int, total: int | None = None, message: str = "") -> None:
         with self._lock:
@@ -116,6 +102,28 @@ class Progress:
             return
         self._last_log = now
         self.on_update(self.snapshot())
+
+
+def _sample(ref: "weakref.ref[Progress]") -> None:
+    """Anonymous memory (what the kernel cannot drop) sampled while stages run: the peak of
+    each stage lands in recipe.json, for the memory plan to be checked against. Ends when the
+    Progress finishes or is dropped (a failed first start)."""
+    from .memory import anon_bytes
+
+    while True:
+        progress = ref()
+        if progress is None:
+            return
+        with progress._lock:
+            stage, every = progress._snap.stage, progress.sample_every_s
+            if stage:
+                gb = round(anon_bytes() / 1e9, 2)
+                if gb > progress.peak_anon_gb.get(stage, 0.0):
+                    progress.peak_anon_gb[stage] = gb
+            elif progress.stage_seconds:  # finished
+                return
+        del progress
+        time.sleep(every)
 
 
 def _peak_rss_gb() -> float:
