@@ -68,6 +68,17 @@ class Progress:
             self._snap = Snapshot(stage=name, total=total, message=message)
         self._emit(force=True)
 
+    def sample_memory(self, anon: int) -> bool:
+        """Records `anon` bytes against the running stage; False once the Progress finished."""
+        with self._lock:
+            stage = self._snap.stage
+            if stage:
+                gb = round(anon / 1e9, 2)
+                if gb > self.peak_anon_gb.get(stage, 0.0):
+                    self.peak_anon_gb[stage] = gb
+                return True
+            return not self.stage_seconds
+
     def step(self, k: int, total: int | None = None, message: str = "") -> None:
         with self._lock:
             self._snap.step = k
@@ -112,16 +123,9 @@ def _sample(ref: "weakref.ref[Progress]") -> None:
 
     while True:
         progress = ref()
-        if progress is None:
+        if progress is None or not progress.sample_memory(anon_bytes()):
             return
-        with progress._lock:
-            stage, every = progress._snap.stage, progress.sample_every_s
-            if stage:
-                gb = round(anon_bytes() / 1e9, 2)
-                if gb > progress.peak_anon_gb.get(stage, 0.0):
-                    progress.peak_anon_gb[stage] = gb
-            elif progress.stage_seconds:  # finished
-                return
+        every = progress.sample_every_s
         del progress
         time.sleep(every)
 
