@@ -285,16 +285,6 @@ class LayerStream:
         """Tokens whose [tokens, vocabulary] float32 rows take about REF_CHUNK_BYTES."""
         return max(16, REF_CHUNK_BYTES // (4 * self.vocab))
 
-    def _head_chunks(self, normed: mx.array, weight=None) -> Iterator[tuple[int, mx.array]]:
-        """(first row, logits [T, rows]) for each chunk of the head's rows, each read once and
-        cast to float32 on its own."""
-        w = self.head_weight() if weight is None else weight
-        step = self.head_chunk_rows
-        for start in range(0, w.shape[0], step):
-            z = normed @ w[start:start + step].astype(mx.float32).T
-            mx.eval(z)
-            yield start, z
-
     def logprobs(self, normed: mx.array, weight=None) -> mx.array:
         """log-softmax of the head over normed hidden states [T, hidden] (float32). The head is
         read once per token chunk (`weight` replaces it, e.g. a quantized one read chunk by
@@ -303,7 +293,10 @@ class LayerStream:
         out = []
         for s in range(0, normed.shape[0], self.token_chunk()):
             parts, lse = [], _OnlineLogSumExp()
-            for _, z in self._head_chunks(normed[s:s + self.token_chunk()], weight):
+            rows = normed[s:s + self.token_chunk()]
+            w = self.head_weight() if weight is None else weight
+            for start in range(0, w.shape[0], self.head_chunk_rows):  # each chunk read once
+                z = rows @ w[start:start + self.head_chunk_rows].astype(mx.float32).T
                 lse.add(z)
                 parts.append(z)
             norm = lse.value()
