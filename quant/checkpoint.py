@@ -81,7 +81,7 @@ class Checkpoint:
     def rows(self, name: str) -> "Rows":
         return Rows(self, name)
 
-    def _view(self, name: str) -> np.ndarray:
+    def view(self, name: str) -> np.ndarray:
         e = self.entries[name]
         if e.dtype not in _DTYPES:
             raise ValueError(f"{name}: dtype {e.dtype} cannot be read by rows")
@@ -103,7 +103,7 @@ class Rows:
         self.nbytes = e.nbytes
 
     def __getitem__(self, key) -> mx.array:
-        view = self.checkpoint._view(self.name)
+        view = self.checkpoint.view(self.name)
         if isinstance(key, mx.array):
             key = np.array(key)  # row numbers (token ids)
         picked = np.ascontiguousarray(view[key])

@@ -38,51 +38,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.bench.serve_bench import Server, free_port, load_test  # noqa: E402
+from tests.bench.llama_cpp import build, source_tree  # noqa: E402
 from tests.bench.sizes_bench import checkpoint  # noqa: E402
 
 CACHE = ROOT / ".cache" / "bench-cache"
 GGUF = ROOT / ".cache" / "gguf"
-LLAMA_BUILD = ROOT / ".cache" / "llama.cpp"
-
-
-# ggml's x86 options by the /proc/cpuinfo flag that enables each
-GGML_X86 = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2",
-            "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
-            "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
-
-
-def cpu_flags() -> list[str]:
-    """cmake flags for this CPU's SIMD, AMX left out. A native build (-march=native) on an AMX Xeon
-    crashed at load in ggml_backend_amx_mul_mat (a segmentation fault, gdb backtrace; llama.cpp
-    from the llama-cpp-python 0.3.36 sdist), so the build names every other extension itself."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return ["-DGGML_NATIVE=ON"]
-    try:
-        have = set(open("/proc/cpuinfo").read().split())
-    except OSError:
-        return ["-DGGML_NATIVE=ON"]
-    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{k}={'ON' if v in have else 'OFF'}" for k, v in GGML_X86.items()),
-            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
-
-
-def build_llama() -> Path:
-    """llama.cpp from the llama-cpp-python sdist; returns the source tree."""
-    LLAMA_BUILD.mkdir(parents=True, exist_ok=True)
-    trees = sorted(LLAMA_BUILD.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    if not trees:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "llama-cpp-python", "-d", str(LLAMA_BUILD)], check=True)
-        sdist = sorted(LLAMA_BUILD.glob("llama_cpp_python-*.tar.gz"))[-1]
-        subprocess.run(["tar", "xzf", str(sdist), "-C", str(LLAMA_BUILD)], check=True)
-        trees = sorted(LLAMA_BUILD.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    src = trees[-1]
-    if not (src / "build" / "bin" / "llama-server").exists():
-        subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                        "-DLLAMA_OPENSSL=OFF", *cpu_flags(), "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], cwd=src, check=True)
-        subprocess.run(["cmake", "--build", "build", "-j2", "--target", "llama-server", "llama-quantize"],
-                       cwd=src, check=True)
-    return src
 
 
 def gguf(src: Path, folder: Path, shape: str, kind: str) -> Path:
@@ -226,8 +186,7 @@ def main(argv=None) -> int:
         servers.append((f"mixbit {recipe}", make, "", "/ready", recipe))
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     if "llama" in peers:
-        src = Path(os.environ["LLAMA_CPP_DIR"]) if os.environ.get("LLAMA_CPP_DIR") else (
-            build_llama() if args.build_llama else None)
+        src = build(("llama-server", "llama-quantize")) if args.build_llama else source_tree()
         if src is None or not (src / "build" / "bin" / "llama-server").exists():
             print("llama-server: not built (set LLAMA_CPP_DIR or pass --build-llama); skipped",
                   file=sys.stderr)
