@@ -245,3 +245,41 @@ def _tile_value_heads(x: mx.array, hf: str, tc: dict) -> mx.array:
     if ".out_proj." in hf:
         return tile(x, 1, dv)
     return x
+
+
+# ggml types a mixbit format maps to, by stored bits per weight (scales included): K-quants take
+# 256-wide super-blocks, iq4_xs fills the 4.25 step (4-bit, 128-wide groups in MLX terms)
+GGML_BPW = {"q2_K": 2.625, "q3_K": 3.4375, "iq4_xs": 4.25, "q4_K": 4.5, "q5_K": 5.5, "q6_K": 6.5625,
+            "q8_0": 8.5, "bf16": 16.0}
+
+
+def ggml_type_for(bits_per_weight: float) -> str:
+    """The ggml type nearest in stored bits per weight (a tie goes to the larger)."""
+    return min(GGML_BPW, key=lambda t: (abs(GGML_BPW[t] - bits_per_weight), -GGML_BPW[t]))
+
+
+def tensor_types(variant: str | Path) -> list[str]:
+    """A mixbit variant's allocation as llama-quantize `--tensor-type-file` lines
+    (`^gguf_name$=type`, one per quantized tensor), each at the ggml type nearest its bits.
+    Tensors mixbit keeps in bf16 stay bf16. The variant's recipe.json names every tensor."""
+    import gguf
+
+    from .formats import Format
+
+    variant = Path(variant)
+    recipe = json.loads((variant / "recipe.json").read_text())
+    tc = text_config(variant)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, tc["num_hidden_layers"])
+    lines = []
+    for path, info in recipe["tensors"].items():
+        hf = _hf_names(re.sub(r"^language_model\.model\.", "model.language_model.", path) + ".weight")
+        if hf is None:
+            continue
+        if hf == "lm_head.weight" and tc.get("tie_word_embeddings", False):
+            continue
+        gname = tmap.get_name(hf, try_suffixes=(".weight",))
+        if gname is None:
+            raise GGUFExportError(f"{path}: no llama.cpp qwen35 tensor for it")
+        kind = ggml_type_for(Format.parse(info["format"]).bits_per_weight())
+        lines.append(f"^{re.escape(gname)}$={kind}")
+    return lines

@@ -260,6 +260,49 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """The model as GGUF for llama.cpp, and/or a variant's allocation as llama-quantize's
+    --tensor-type-file (docs/llama-quality.md)."""
+    import os
+    import tempfile
+
+    from mixbit.models.registry import resolve
+    from mixbit.quant.gguf_export import GGUFExportError, tensor_types, write_gguf
+
+    if not (args.gguf or args.tensor_types):
+        raise SettingsError("nothing to export: give --gguf FILE and/or --tensor-types FILE")
+    settings = _settings(args, QUANT_FLAGS)
+    m, q = settings.model, settings.quant
+    resolved = resolve(m.source, m.revision, m.hub_cache_dir or None, m.allow_download)
+    done: dict[str, Any] = {"model": m.source}
+    try:
+        if args.gguf:
+            out = write_gguf(resolved.path, args.gguf)
+            done["gguf"] = {"path": str(out), "bytes": out.stat().st_size}
+        if args.tensor_types:
+            from mixbit.quant.variants import ensure_variant
+
+            if q.recipe == "bf16":
+                raise SettingsError("--tensor-types needs a quantized recipe (mixbit-auto, uniform-4, ...); "
+                                    "bf16 quantizes nothing")
+            variant = ensure_variant(resolved, q.recipe, m.cache_dir, target_bpw=q.target_bpw
+                                     if q.recipe == "mixbit-auto" else None,
+                                     calibration=q.calibration or None, sensitivity=q.sensitivity,
+                                     sensitivity_seconds=q.sensitivity_seconds, memory_gb=q.memory_gb)
+            lines = tensor_types(variant.path)
+            target = Path(args.tensor_types)
+            fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=".types-")
+            with os.fdopen(fd, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+            os.replace(tmp, target)
+            done["tensor_types"] = {"path": str(target), "tensors": len(lines), "recipe": q.recipe,
+                                    "variant": str(variant.path)}
+    except (GGUFExportError, OSError) as exc:
+        raise SettingsError(str(exc)) from None
+    print(json.dumps(done))
+    return 0
+
+
 def cmd_serve(args) -> int:
     import logging
 
@@ -365,6 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(p, QUANT_FLAGS)
     p.add_argument("--out", help="write the variant into this new folder instead of the cache")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("export", help="the model as GGUF for llama.cpp; a variant's bits as llama-quantize tensor types")
+    _add_settings_flags(p, QUANT_FLAGS)
+    p.add_argument("--gguf", metavar="FILE", help="write the model (bf16, no MTP head) as GGUF here")
+    p.add_argument("--tensor-types", metavar="FILE",
+                   help="write the variant's allocation (--recipe, --target-bpw) as llama-quantize's "
+                        "--tensor-type-file here: each tensor at the ggml type nearest its bits")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     _add_settings_flags(p, SERVE_FLAGS)
