@@ -10,7 +10,7 @@ STAMP := $(VENV)/.mixbit-installed
 # Debian's OpenBLAS as root, which brings it (and is the fallback BLAS).
 OPENBLAS = $(firstword $(wildcard /usr/lib/*/openblas-pthread/libopenblas.so.0))
 
-.PHONY: setup serve test test-tools bench clean
+.PHONY: setup serve test test-tools bench clean llama-quality
 
 setup: $(STAMP)
 
@@ -41,3 +41,8 @@ test: setup test-tools
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# docs/llama-quality.md: mixbit against llama.cpp's K-/i-quants on the same tokens (builds
+# llama.cpp from PyPI's llama-cpp-python sdist into .cache/llama.cpp when missing: needs g++)
+llama-quality: setup
+	$(PY) tests/bench/llama_quality.py

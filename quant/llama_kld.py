@@ -140,12 +140,12 @@ class KLD:
                 "ppl_base": self.ppl_base, "tokens": self.count}
 
 
-def kld(base: Base, logits_of: Callable[[np.ndarray], np.ndarray]) -> KLD:
+def kld(base: Base, logits_of: Callable[[np.ndarray], np.ndarray], chunks: int | None = None) -> KLD:
     """A candidate (`logits_of(chunk_tokens)` -> (n_ctx, n_vocab)) against the base, with
-    llama-perplexity's arithmetic."""
+    llama-perplexity's arithmetic; `chunks`: only the first so many."""
     values, same, nll, nll_base = [], 0, 0.0, 0.0
     f, last = base.first, base.n_ctx - 1
-    for c in range(base.n_chunk):
+    for c in range(base.n_chunk if chunks is None else min(chunks, base.n_chunk)):
         ref = base.log_probs(c).astype(np.float64)
         logits = np.asarray(logits_of(base.tokens[c]), dtype=np.float64)[f:last]
         top = logits.max(axis=1, keepdims=True)

@@ -38,7 +38,7 @@ class Variant:
     manifest: dict  # provenance shown in /v1/models
 
 
-EVALUATION_MODULES = {"compare.py", "evaluate.py", "report.py"}
+EVALUATION_MODULES = {"compare.py", "evaluate.py", "report.py", "gguf_export.py", "llama_kld.py"}
 AWQ_RECIPES = ("mixbit-auto", "unsloth-static")
 # mixbit-auto's time for sensitivity: the exact ablation when it fits (the embedded model),
 # else as many probes as fit (real sizes); see probe.py

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from . import artifact
 from .awq import awq_layer, group_inputs
-from .formats import Format, fake_quantize, quantizable
+from .formats import Format, dequantize, quantizable, quantize
 from .progress import Progress
 from .checkpoint import Rows, read_header
 from .stream import ChunkedFakeQuant, LayerStream, _f32, _set_child
@@ -51,7 +51,7 @@ def quantize_tensor(w: mx.array, fmt: Format, rows: int = 32768) -> dict[str, mx
     """weight (packed), scales and biases as MLX's quantized layers store them; a big 2-D
     tensor (the 248k-row embedding) in row chunks, so its float32 temporaries stay small."""
     def one(x):
-        return mx.quantize(x.astype(mx.bfloat16), group_size=fmt.group_size, bits=fmt.bits)
+        return quantize(x, fmt)
 
     if not isinstance(w, mx.array) and (w.ndim != 2 or w.shape[0] <= rows):
         w = w[:]  # rows of a file (quant/checkpoint.Rows), small enough to read at once
@@ -269,7 +269,9 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
                         _set_child(layer, rel, _packed_experts(module, out, f"{base}.{rel}", fmt))
                         module.weight = mx.zeros((1,), dtype=module.weight.dtype)  # released
                         continue
-                    module.weight = _f32(fake_quantize(module.weight, fmt) if quantized else module.weight)
+                    # the check computes with what was written
+                    module.weight = dequantize(*(out[f"{base}.{rel}.{k}"] for k in ("weight", "scales", "biases")),
+                                               fmt) if quantized else _f32(module.weight)
                     mx.eval(module.weight)
                 for name, value in tree_flatten(layer.parameters()):
                     owner, leaf = name.rsplit(".", 1)

@@ -3,7 +3,8 @@
 `tests/fixtures/golden_outputs.json` holds what the server answered (text, tool calls, token
 ids and logprobs) for the same requests, recorded before mixbit's own Qwen3.5 forward replaced
 mlx-lm's at serving time: the forward may change how it computes, never what. Texts and token
-ids must match exactly, logprobs within 1e-4. Record again only on purpose (a new checkpoint):
+ids must match exactly, logprobs within 1e-4. Record again only on purpose (a new checkpoint, a
+new quantizer: uniform-4 was recorded again when the writer began fitting scales, 2026-12-07):
 
     MIXBIT_RECORD_GOLDEN=1 .venv/bin/python -m pytest -q tests/test_golden_outputs.py
 """

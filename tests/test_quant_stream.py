@@ -252,14 +252,15 @@ def test_experts_in_chunks_compute_what_switchglu_does(tiny_moe):
         for chunk in (0, 1, 3):
             moe.expert_chunk = chunk
             outs[chunk] = moe(x)
-        # quantized experts: chunks dequantized from the packed form = the fake-quantized stack
-        from mixbit.quant.formats import Format, fake_quantize
+        # quantized experts: chunks dequantized from the packed form = the written stack, whole
+        from mixbit.quant.formats import Format
         from mixbit.quant.writer import _packed_experts, _tensor_out
 
         fmt, stored = Format(4, 64), moe.switch_mlp.up_proj
-        packed = _packed_experts(stored, _tensor_out("up", stored.weight, fmt), "up", fmt)
+        out = _tensor_out("up", stored.weight, fmt)
+        packed = _packed_experts(stored, out, "up", fmt)
         moe.expert_chunk = 1
-        fake = fake_quantize(stored.weight, fmt)
+        fake = mx.dequantize(out["up.weight"], out["up.scales"], out["up.biases"], group_size=64, bits=4)
         original = stored.weight
         stored.weight = fake
         want = moe(x)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,9 +63,35 @@ def build(tools: tuple[str, ...] = TOOLS) -> Path:
         src = source_tree()
     missing = [t for t in tools if not (src / "build" / "bin" / t).exists()]
     if missing:
+        if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+            raise SystemExit("building llama.cpp needs a C++ compiler: apt-get install g++ (or build-essential)")
+        cmake = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
+        if not Path(cmake).exists():  # PyPI's cmake wheel, into this environment
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cmake>=3.28"], check=True)
         if not (src / "build" / "CMakeCache.txt").exists():
-            subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+            subprocess.run([cmake, "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
                             "-DLLAMA_OPENSSL=OFF", *cpu_flags(), "-DLLAMA_BUILD_TESTS=OFF",
                             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], cwd=src, check=True)
-        subprocess.run(["cmake", "--build", "build", "-j2", "--target", *missing], cwd=src, check=True)
+        subprocess.run([cmake, "--build", "build", "-j2", "--target", *missing], cwd=src, check=True)
     return src
+
+
+def kl_divergence(model: Path, base: Path, n_ctx: int, tries: int = 3) -> dict:
+    """llama-perplexity --kl-divergence of `model` against a base file, parsed
+    (quant/llama_kld.parse_llama_perplexity). One thread: two spin-wait on a shared 2-core VM.
+    llama.cpp logs from a background thread; on a loaded machine a run that exited 0 has lost
+    its closing statistics (seen once in ~40 runs), so such a run is repeated."""
+    from mixbit.quant.llama_kld import parse_llama_perplexity
+
+    cmd = [str(tool("llama-perplexity")), "-m", str(model), "--kl-divergence-base", str(base),
+           "--kl-divergence", "-c", str(n_ctx), "-b", str(n_ctx), "-t", "1"]
+    for attempt in range(tries):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"llama-perplexity failed ({res.returncode}): {res.stderr[-1500:]}")
+        try:
+            return parse_llama_perplexity(res.stdout + res.stderr)
+        except ValueError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
