@@ -27,8 +27,8 @@ from . import artifact
 from .awq import awq_layer, group_inputs
 from .formats import Format, dequantize, quantizable, quantize
 from .progress import Progress
-from .checkpoint import Rows, read_header
-from .stream import ChunkedFakeQuant, LayerStream, _f32, _set_child
+from .checkpoint import Checkpoint, Rows, read_header
+from .stream import LayerStream, _f32, _set_child
 
 SHARD_BYTES = 1 << 30  # a shard is written once its layers reach this size
 STATE = "state.json"
@@ -207,7 +207,7 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
             f.unlink()
         state = {"key": key, "next_layer": 0, "shards": 0, "awq": []}
         h_ref = stream.embed(heldout_rows)
-        h_q = stream.embed(heldout_rows, formats.get(f"{stream.prefix}.embed_tokens"))
+        h_q = stream.embed(heldout_rows)  # quantized below from the written rows, if it is
         h_cal = stream.embed(cal_rows) if awq else None
         first = _Shards(partial, 0)
         for name, value in sorted(stream.outer_weights.items()):
@@ -224,6 +224,10 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
                 first.add({name: value})
         first.flush()
         state["shards"] = first.index
+        embed = formats.get(f"{stream.prefix}.embed_tokens")
+        if embed is not None and embed.bits != 16:  # the check starts from the written rows
+            picked = WrittenTable(partial, f"{stream.prefix}.embed_tokens", embed)[heldout_rows.reshape(-1)]
+            h_q = picked.reshape(*heldout_rows.shape, -1)
         _save_state(partial, state, _hidden(h_ref, h_q, h_cal))
     else:
         h_ref, h_q, h_cal = hidden["ref"], hidden["q"], hidden.get("cal")
@@ -294,7 +298,7 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
             progress.step(i + 1)
     if progress:
         progress.stage("checking", 1, "KLD of the variant against the checkpoint on held-out tokens")
-    result.measured_kld, result.measured_top1 = _fidelity(stream, h_ref, h_q, formats)
+    result.measured_kld, result.measured_top1 = _fidelity(stream, h_ref, h_q, formats, partial)
     result.awq = state["awq"]
     mtp = _mtp_tensors(stream)
     if mtp:
@@ -348,15 +352,30 @@ def _tensor_out(path: str, w: mx.array, fmt: Format | None) -> dict[str, mx.arra
 
 
 def _fidelity(stream: LayerStream, h_ref: mx.array, h_q: mx.array,
-              formats: dict[str, Format]) -> tuple[float, float]:
+              formats: dict[str, Format], partial: Path) -> tuple[float, float]:
     ref = stream.logprobs(stream.final_norm(h_ref).reshape(-1, h_ref.shape[-1]))
-    head = stream.head_weight()
     fmt = formats.get(stream.head_path)
     weight = None
     if fmt is not None and fmt.bits != 16:
-        weight = ChunkedFakeQuant(head, fmt)
+        weight = WrittenTable(partial, stream.head_path, fmt)
     kld, same = stream.compare(ref, stream.final_norm(h_q).reshape(-1, h_q.shape[-1]), weight)
     return float(kld.mean().item()), float(same.astype(mx.float32).mean().item())
+
+
+class WrittenTable:
+    """A quantized table (the embedding, the head) as written into the partial folder, read back
+    a slice of rows, or the rows of some tokens, at a time and dequantized as served (float32
+    scales): the quantize-time check computes with the variant's own rows, never a second copy
+    of the table."""
+
+    def __init__(self, partial: Path, path: str, fmt: Format):
+        written = Checkpoint(partial)
+        self.packed, self.scales, self.biases = (written.rows(f"{path}.{k}") for k in ("weight", "scales", "biases"))
+        self.fmt = fmt
+        self.shape = (self.packed.shape[0], self.scales.shape[1] * fmt.group_size)
+
+    def __getitem__(self, rows) -> mx.array:
+        return dequantize(self.packed[rows], self.scales[rows], self.biases[rows], self.fmt)
 
 
 def _header_bytes(header: dict) -> bytes:
