@@ -54,3 +54,24 @@ def test_stacked_experts_and_row_chunks_are_fitted_like_one_matrix(monkeypatch):
         assert a.shape[:2] == (4, 96) and mx.array_equal(a, b).item()
     codes, _, _ = fit_affine(w.reshape(-1, 128), Format(4, 64))
     assert codes.dtype == mx.uint8 and int(codes.max().item()) <= 15
+
+
+def test_the_quantize_time_check_measures_the_variant_as_written(tmp_path):
+    """recipe.json's measured_kld (the writer's streamed check) is the KLD of the variant as
+    loaded, on the same held-out rows: the check reads back the fitted tables and layers."""
+    import json
+
+    from mixbit.models.loading import load
+    from mixbit.models.registry import resolve
+    from mixbit.quant import calibration as calib
+    from mixbit.quant.compare import token_klds
+    from mixbit.quant.variants import quantize as quantize_variant
+
+    resolved = resolve("embedded:tiny-qwen3.5")
+    quantize_variant(resolved, "uniform-4", tmp_path / "u4")
+    recipe = json.loads((tmp_path / "u4" / "recipe.json").read_text())
+    assert recipe["tensors"]["language_model.model.embed_tokens"]["format"] == "q4g64"  # the tied head too
+    ref = load(resolved)
+    rows = calib.build(ref.tokenizer, n_rows=4, length=64, split="heldout").rows
+    klds, _ = token_klds(ref, load(resolved, path=tmp_path / "u4", dequantize=True), rows)
+    assert recipe["measured_kld"] == pytest.approx(float(klds.mean().item()), rel=0.02)
