@@ -224,11 +224,11 @@ def test_kld_protocol_agrees_with_the_exact_kl(base, loaded_tiny, uniform4):
     assert got.mean == pytest.approx(exact, rel=0.01)
 
 
-needs_llama = pytest.mark.skipif(tool("llama-perplexity") is None or tool("llama-tokenize") is None,
-                                 reason="llama.cpp not built (tests/bench/llama_quality.py builds it)")
+def needs(program: str):
+    return pytest.mark.skipif(tool(program) is None, reason=f"{program} not built (make llama-quality builds it)")
 
 
-@needs_llama
+@needs("llama-tokenize")
 def test_llama_cpp_tokenizes_as_mixbit_does(tiny_gguf, loaded_tiny, tmp_path):
     from mixbit.quant import calibration as calib
 
@@ -241,7 +241,7 @@ def test_llama_cpp_tokenizes_as_mixbit_does(tiny_gguf, loaded_tiny, tmp_path):
     assert ast.literal_eval(out.strip()) == tok.encode(text, add_special_tokens=False)
 
 
-@needs_llama
+@needs("llama-perplexity")
 def test_llama_cpp_logits_of_the_bf16_gguf_match_mixbits(tiny_gguf, base, loaded_tiny):
     stats = kl_divergence(tiny_gguf, base.path, base.n_ctx)
     # llama.cpp multiplies bf16 weights with bf16-rounded activations: a floor of ~1e-5, far
@@ -252,7 +252,7 @@ def test_llama_cpp_logits_of_the_bf16_gguf_match_mixbits(tiny_gguf, base, loaded
     assert stats["ppl"] == pytest.approx(L.kld(base, _logits_of(loaded_tiny)).ppl, rel=2e-3)
 
 
-@needs_llama
+@needs("llama-quantize")
 def test_tensor_type_file_sets_each_tensors_type(tiny_gguf, uniform4, tmp_path):
     lines = tensor_types(uniform4)
     (tmp_path / "types.txt").write_text("\n".join(lines) + "\n")

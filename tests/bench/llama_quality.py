@@ -128,7 +128,7 @@ def main() -> int:
     from mixbit.quant.llama_kld import kld, read_base, write_base
     from mixbit.server.settings import Settings
 
-    build(("llama-quantize", "llama-imatrix", "llama-perplexity"))
+    build(("llama-quantize", "llama-imatrix", "llama-perplexity", "llama-tokenize"))  # tokenize: tests/test_gguf.py
     resolved = resolve(args.model)
     ref = load(resolved)
     n_params = model_params(resolved.path)
