@@ -85,8 +85,8 @@ GATE_FORMAT_BITS = 8  # routers and gates never below this
 # nearest); mixbit fits them instead, as llama.cpp's K-quants do (make_qkx2_quants): a few
 # candidate ranges around min..max, each rounded, then the least-squares scale and bias of those
 # codes; the candidate with the least squared error wins, per group (mx.quantize's own choice is
-# one of them). Same format, same bytes,
-# read by stock MLX. Measured on the embedded model, every tensor at one format, 6 held-out
+# one of them). Same format, same bytes, read by stock MLX. Measured with a prototype (min..max
+# in place of mx.quantize's choice) on the embedded model, every tensor at one format, 6 held-out
 # chunks: q4g64 KLD 0.0240 -> 0.0167, q3g64 0.105 -> 0.078; 21 candidates with 2 refinements
 # (llama.cpp's count) bought no more (0.0174, 0.071); the least-squares refit of the
 # round-to-nearest codes alone, 0.0193 / 0.086. Cost: 7 s for a 4096 x 12288 weight on this
