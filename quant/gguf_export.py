@@ -176,21 +176,32 @@ def _hf_names(name: str) -> str | None:
     return re.sub(r"^language_model\.model\.", "model.", name)
 
 
-def _tensors(ckpt: Checkpoint, tc: dict, outtype: str) -> Iterator[tuple[str, tuple, str, callable]]:
-    """(gguf name, numpy shape, bf16|f32, loader) of every tensor, in checkpoint order; each loader
-    reads and transforms its one tensor when called."""
+def gguf_names(names, tc: dict) -> dict[str, str]:
+    """Checkpoint tensor name -> llama.cpp qwen35 tensor name, for every tensor the GGUF holds
+    (the MTP head, a vision tower and a tied lm_head left out); a name llama.cpp has no tensor
+    for is refused."""
     import gguf
 
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, tc["num_hidden_layers"])
     tied = tc.get("tie_word_embeddings", False)
-    seen = set()
-    for name, entry in ckpt.entries.items():
+    out = {}
+    for name in names:
         hf = _hf_names(name)
         if hf is None or (tied and hf == "lm_head.weight"):
             continue
         gname = tmap.get_name(hf.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise GGUFExportError(f"{name}: no llama.cpp qwen35 tensor for it")
+        out[name] = gname
+    return out
+
+
+def _tensors(ckpt: Checkpoint, tc: dict, outtype: str) -> Iterator[tuple[str, tuple, str, callable]]:
+    """(gguf name, numpy shape, bf16|f32, loader) of every tensor, in checkpoint order; each loader
+    reads and transforms its one tensor when called."""
+    seen = set()
+    for name, gname in gguf_names(ckpt.entries, tc).items():
+        entry, hf = ckpt.entries[name], _hf_names(name)
         if gname in seen:
             raise GGUFExportError(f"{name}: {gname} written twice")
         seen.add(gname)
@@ -262,24 +273,14 @@ def tensor_types(variant: str | Path) -> list[str]:
     """A mixbit variant's allocation as llama-quantize `--tensor-type-file` lines
     (`^gguf_name$=type`, one per quantized tensor), each at the ggml type nearest its bits.
     Tensors mixbit keeps in bf16 stay bf16. The variant's recipe.json names every tensor."""
-    import gguf
-
     from .formats import Format
 
     variant = Path(variant)
     recipe = json.loads((variant / "recipe.json").read_text())
-    tc = text_config(variant)
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, tc["num_hidden_layers"])
+    # recipe paths are MLX module paths (language_model.model.layers.0.mlp.up_proj): as stored
+    stored = {re.sub(r"^language_model\.model\.", "model.language_model.", p) + ".weight": p for p in recipe["tensors"]}
     lines = []
-    for path, info in recipe["tensors"].items():
-        hf = _hf_names(re.sub(r"^language_model\.model\.", "model.language_model.", path) + ".weight")
-        if hf is None:
-            continue
-        if hf == "lm_head.weight" and tc.get("tie_word_embeddings", False):
-            continue
-        gname = tmap.get_name(hf, try_suffixes=(".weight",))
-        if gname is None:
-            raise GGUFExportError(f"{path}: no llama.cpp qwen35 tensor for it")
-        kind = ggml_type_for(Format.parse(info["format"]).bits_per_weight())
+    for name, gname in gguf_names(stored, text_config(variant)).items():
+        kind = ggml_type_for(Format.parse(recipe["tensors"][stored[name]]["format"]).bits_per_weight())
         lines.append(f"^{re.escape(gname)}$={kind}")
     return lines

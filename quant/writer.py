@@ -48,21 +48,15 @@ class WriteResult:
 
 
 def quantize_tensor(w: mx.array, fmt: Format, rows: int = 32768) -> dict[str, mx.array]:
-    """weight (packed), scales and biases as MLX's quantized layers store them; a big 2-D
-    tensor (the 248k-row embedding) in row chunks, so its float32 temporaries stay small."""
-    def one(x):
-        return quantize(x, fmt)
-
-    if not isinstance(w, mx.array) and (w.ndim != 2 or w.shape[0] <= rows):
-        w = w[:]  # rows of a file (quant/checkpoint.Rows), small enough to read at once
-    if w.ndim == 3 and w.shape[0] > 1:  # stacked experts: a few experts at a time
-        rows = max(1, rows // w.shape[1])
-    if w.ndim not in (2, 3) or w.shape[0] <= rows:
-        q, scales, biases = one(w)
+    """weight (packed), scales and biases as MLX's quantized layers store them. A table read
+    from its file (quant/checkpoint.Rows: the 248k-row embedding) comes in a chunk of rows at a
+    time; formats.quantize keeps the fit's float32 temporaries small within each."""
+    if isinstance(w, mx.array) or w.ndim != 2 or w.shape[0] <= rows:
+        q, scales, biases = quantize(w if isinstance(w, mx.array) else w[:], fmt)
     else:
         pieces = []
         for s in range(0, w.shape[0], rows):
-            pieces.append(one(w[s:s + rows]))
+            pieces.append(quantize(w[s:s + rows], fmt))
             mx.eval(pieces[-1])
         q, scales, biases = (mx.concatenate([p[i] for p in pieces]) for i in range(3))
     return {"weight": q, "scales": scales, "biases": biases}
@@ -207,7 +201,7 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
             f.unlink()
         state = {"key": key, "next_layer": 0, "shards": 0, "awq": []}
         h_ref = stream.embed(heldout_rows)
-        h_q = stream.embed(heldout_rows)  # quantized below from the written rows, if it is
+        h_q = h_ref  # replaced below by the written rows' embeddings when the table is quantized
         h_cal = stream.embed(cal_rows) if awq else None
         first = _Shards(partial, 0)
         for name, value in sorted(stream.outer_weights.items()):

@@ -53,16 +53,10 @@ WORK = ROOT / ".cache" / "llama-quality"
 def model_params(folder: Path) -> int:
     """Parameters of the model a GGUF holds: every tensor but the MTP head and a tied lm_head."""
     from mixbit.quant.checkpoint import Checkpoint
-    from mixbit.quant.gguf_export import _hf_names, text_config
+    from mixbit.quant.gguf_export import gguf_names, text_config
 
-    tied = text_config(folder).get("tie_word_embeddings", False)
-    total = 0
-    for name, e in Checkpoint(folder).entries.items():
-        hf = _hf_names(name)
-        if hf is None or (tied and hf == "lm_head.weight"):
-            continue
-        total += math.prod(e.shape)
-    return total
+    entries = Checkpoint(folder).entries
+    return sum(math.prod(entries[n].shape) for n in gguf_names(entries, text_config(folder)))
 
 
 def gguf_bytes(path: Path) -> int:
