@@ -136,11 +136,19 @@ def test_export_cli_writes_gguf_atomically_and_refuses_with_a_message(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["gguf"]["bytes"] == out.stat().st_size
     assert gguf.GGUFReader(str(out)).fields["general.architecture"]
+    types = tmp_path / "types.txt"
+    r = run_cli("export", "--tensor-types", str(types), "--recipe", "uniform-4",
+                "--set", f"model.cache_dir={tmp_path / 'cache'}")
+    assert r.returncode == 0, r.stderr
+    lines = types.read_text().split()
+    assert json.loads(r.stdout.strip().splitlines()[-1])["tensor_types"]["tensors"] == len(lines) > 0
+    assert "^token_embd\\.weight$=q4_K" in lines and all(line.endswith("=q4_K") for line in lines)
+    types.unlink()
     r = run_cli("export")
     assert r.returncode == 2 and "nothing to export" in r.stderr
     r = run_cli("export", "--gguf", str(tmp_path / "missing" / "x.gguf"))
     assert r.returncode == 2 and "No such file" in r.stderr and "Traceback" not in r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]  # nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "tiny.gguf"]  # nothing half-written
 
 
 def test_a_tokenizer_llama_would_split_differently_is_refused(tmp_path):
