@@ -60,7 +60,7 @@ class _EngineCollector:
             for key, fam in families.items():
                 fam.add_metric([v.variant], values[key])
         yield from families.values()
-        yield from _spec_families(st.variants)
+        yield from spec_families(st.variants)
         yield g("mixbit_memory_bytes", "Resident memory of the server process", value=_rss_bytes())
         try:
             import mlx.core as mx
@@ -89,7 +89,7 @@ class _EngineCollector:
                     value=fid.queue.qsize())
 
 
-def _spec_families(variants):
+def spec_families(variants):
     """Speculative decoding with the MTP head (server/speculative.py), with vLLM's meanings:
     steps that drafted, tokens drafted, drafts accepted, and accepted drafts by position."""
     c = CounterMetricFamily

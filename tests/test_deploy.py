@@ -120,7 +120,7 @@ def _exported_names() -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from mixbit.server.app import ServerState
-    from mixbit.server.metrics import Metrics
+    from mixbit.server.metrics import Metrics, spec_families
     from mixbit.server.settings import Settings
 
     m = Metrics(ServerState(settings=Settings()))
@@ -139,6 +139,8 @@ def _exported_names() -> set[str]:
                  "mixbit_request_duration_seconds", "mixbit_grammar_compile_seconds"):
         names |= {hist + s for s in ("_bucket", "_sum", "_count")}
     names |= {"mixbit_fidelity_queue_depth", "mixbit_variant_info"}
+    # the MTP counters come per served variant (tests/test_speculative.py scrapes them from a server)
+    names |= {fam.name + "_total" for fam in spec_families([])}
     return names
 
 

@@ -6,6 +6,7 @@ mixbit instance serving bf16 works as a remote reference; drops are counted, nev
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import time
@@ -153,6 +154,13 @@ def test_real_prometheus_scrapes_and_queries_fidelity(served, tmp_path):
         names = {r["name"] for g in groups for r in g["rules"]}
         assert {"MixbitFidelityKLDHigh", "MixbitToolCallMarkupLeak", "MixbitQueueSaturated"} <= names
         assert all(r["health"] != "err" for g in groups for r in g["rules"])
+        # every query of the shipped Grafana dashboard parses and runs (Grafana's variables filled in)
+        dashboard = json.loads((ROOT / "deploy" / "grafana" / "mixbit-dashboard.json").read_text())
+        for panel in dashboard["panels"]:
+            for target in panel.get("targets", []):
+                q = target["expr"].replace("$__rate_interval", "1m").replace("$variant", ".*")
+                r = httpx.get(api + "/query", params={"query": q}, timeout=5).json()
+                assert r.get("status") == "success", (panel["title"], q, r)
 
 
 def test_remote_bf16_reference_and_rate_cap(tmp_path):
