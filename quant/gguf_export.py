@@ -17,9 +17,15 @@ transformations its converter makes:
   the conv1d value channels and `out_proj`'s columns;
 - `conv1d.weight` [channels, 1, kernel] drops its middle axis.
 
-Tensors are read one at a time from the safetensors files (memory-mapped), so the writer's memory
-does not grow with the checkpoint. The MTP head is left out (llama.cpp keeps it "preserved but
-unused"), as is a tied `lm_head`. MoE checkpoints (qwen35moe) are not written yet: refused by name.
+The MTP head (`mtp.*`) goes in as llama.cpp's converter writes it, so that llama-server drafts
+with it (`--spec-type draft-mtp`): one more block after the decoder layers (`blk.{n}`: its
+full-attention layer under the usual names, `fc` as `nextn.eh_proj`, the two pre-fc norms as
+`nextn.enorm` / `nextn.hnorm`, its final norm as `nextn.shared_head_norm`; its norms get the +1
+too), `nextn_predict_layers` = 1, and the extra block marked not recurrent; the embedding and
+output head are the model's own (llama.cpp shares them). `mtp=False` leaves it out (a GGUF that a
+llama.cpp without Qwen3.5 MTP support loads). Tensors are read one at a time from the safetensors
+files (memory-mapped), so the writer's memory does not grow with the checkpoint. A tied `lm_head`
+is left out. MoE checkpoints (qwen35moe) are not written yet: refused by name.
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ PRE_TOKENIZER = "qwen35"  # llama.cpp's name for Qwen3.5's split regex (llama-vo
 QWEN35_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}"
                 "| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 ZERO_CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
-                      ".k_norm.weight")
+                      ".k_norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                      "mtp.norm.weight")
+# the MTP head's own tensors, by llama.cpp's nextn names (its layers take the decoder's names)
+NEXTN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+         "norm": "shared_head_norm"}
 
 
 class GGUFExportError(ValueError):
@@ -54,9 +64,11 @@ def text_config(folder: Path) -> dict:
     return cfg.get("text_config", cfg)
 
 
-def write_gguf(folder: str | Path, out: str | Path, outtype: str = "bf16", name: str | None = None) -> Path:
+def write_gguf(folder: str | Path, out: str | Path, outtype: str = "bf16", name: str | None = None,
+               mtp: bool = True) -> Path:
     """Writes `folder` (an HF-layout Qwen3.5 checkpoint) to `out` as GGUF; whole or not at all
-    (written beside, renamed into place). `outtype`: bf16 (the weights as stored) or f32."""
+    (written beside, renamed into place). `outtype`: bf16 (the weights as stored) or f32. `mtp`:
+    with the checkpoint's MTP head, where it has one."""
     import gguf
 
     folder, out = Path(folder), Path(out)
@@ -66,12 +78,13 @@ def write_gguf(folder: str | Path, out: str | Path, outtype: str = "bf16", name:
     if outtype not in ("bf16", "f32"):
         raise GGUFExportError(f"outtype {outtype!r}: bf16 or f32")
     ckpt = Checkpoint(folder)
-    tensors = list(_tensors(ckpt, tc, outtype))
+    tensors = list(_tensors(ckpt, tc, outtype, mtp))
+    n_mtp = mtp_layers(ckpt.entries) if mtp else 0
 
     tmp = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(tmp, ARCH)
     writer.add_name(name or folder.name)
-    _hparams(writer, tc, gguf, outtype)
+    _hparams(writer, tc, gguf, outtype, n_mtp)
     _vocab(writer, folder, gguf)
     for gname, shape, kind, _ in tensors:
         qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "f32": gguf.GGMLQuantizationType.F32}[kind]
@@ -91,12 +104,14 @@ def write_gguf(folder: str | Path, out: str | Path, outtype: str = "bf16", name:
     return out
 
 
-def _hparams(writer, tc: dict, gguf, outtype: str) -> None:
+def _hparams(writer, tc: dict, gguf, outtype: str, n_mtp: int = 0) -> None:
     n_layers = tc["num_hidden_layers"]
     head_dim = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
     rope = tc.get("rope_parameters") or {"rope_theta": tc.get("rope_theta", 10000.0),
                                          "partial_rotary_factor": tc.get("partial_rotary_factor", 0.25)}
-    writer.add_block_count(n_layers)
+    writer.add_block_count(n_layers + n_mtp)  # the MTP blocks follow the decoder's
+    if n_mtp:
+        writer.add_nextn_predict_layers(n_mtp)
     writer.add_context_length(tc["max_position_embeddings"])
     writer.add_embedding_length(tc["hidden_size"])
     writer.add_feed_forward_length(tc["intermediate_size"])
@@ -115,7 +130,8 @@ def _hparams(writer, tc: dict, gguf, outtype: str) -> None:
     writer.add_ssm_time_step_rank(tc["linear_num_value_heads"])
     writer.add_ssm_inner_size(tc["linear_value_head_dim"] * tc["linear_num_value_heads"])
     # which layers are GatedDeltaNet (the PyPI gguf 0.19.0 writer has no add_recurrent_layers yet)
-    writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in _layer_types(tc)])
+    writer.add_array(f"{ARCH}.attention.recurrent_layers",
+                     [t == "linear_attention" for t in _layer_types(tc)] + [False] * n_mtp)
     writer.add_full_attention_interval(tc.get("full_attention_interval", 4))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if outtype == "bf16" else gguf.LlamaFileType.ALL_F32)
 
@@ -167,28 +183,48 @@ def _vocab(writer, folder: Path, gguf) -> None:
     writer.add_add_bos_token(False)  # Qwen adds no BOS; llama-perplexity would otherwise prepend one
 
 
-def _hf_names(name: str) -> str | None:
-    """The converter's names: `model.layers.N...` (the language model's prefix dropped); None for
-    what the GGUF leaves out (the MTP head, vision tower)."""
-    if name.startswith(("mtp.", "model.mtp.", "model.visual", "vision_tower")):
+def _hf_names(name: str, mtp: bool = False) -> str | None:
+    """The converter's names: `model.layers.N...` (the language model's prefix dropped), `mtp.*`
+    for the MTP head; None for what the GGUF leaves out (a vision tower; the MTP head unless
+    `mtp`)."""
+    if name.startswith("model.mtp."):
+        name = name[len("model."):]
+    if name.startswith("mtp."):
+        return name if mtp else None
+    if name.startswith(("model.visual", "vision_tower")):
         return None
     name = re.sub(r"^model\.language_model\.", "model.", name)
     return re.sub(r"^language_model\.model\.", "model.", name)
 
 
-def gguf_names(names, tc: dict) -> dict[str, str]:
+def mtp_layers(names) -> int:
+    """Decoder layers of the checkpoint's MTP head (0: none)."""
+    found = [int(m.group(1)) for n in names if (m := re.match(r"^(?:model\.)?mtp\.layers\.(\d+)\.", n))]
+    return max(found) + 1 if found else 0
+
+
+def gguf_names(names, tc: dict, mtp: bool = True) -> dict[str, str]:
     """Checkpoint tensor name -> llama.cpp qwen35 tensor name, for every tensor the GGUF holds
-    (the MTP head, a vision tower and a tied lm_head left out); a name llama.cpp has no tensor
-    for is refused."""
+    (a vision tower and a tied lm_head left out; the MTP head unless `mtp`); a name llama.cpp
+    has no tensor for is refused."""
     import gguf
 
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, tc["num_hidden_layers"])
+    names = list(names)
+    n_layers = tc["num_hidden_layers"]
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, n_layers + (mtp_layers(names) if mtp else 0))
     tied = tc.get("tie_word_embeddings", False)
     out = {}
     for name in names:
-        hf = _hf_names(name)
+        hf = _hf_names(name, mtp)
         if hf is None or (tied and hf == "lm_head.weight"):
             continue
+        if hf.startswith("mtp."):  # the head's layers after the decoder's; its own tensors as nextn
+            part = hf.split(".", 3)
+            if part[1] == "layers" and len(part) == 4:
+                hf = f"model.layers.{n_layers + int(part[2])}.{part[3]}"
+            elif part[1] in NEXTN and len(part) == 3 and part[2] == "weight":
+                out[name] = f"blk.{n_layers}.nextn.{NEXTN[part[1]]}.weight"
+                continue
         gname = tmap.get_name(hf.replace(".dt_bias", ".dt_proj.bias"), try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise GGUFExportError(f"{name}: no llama.cpp qwen35 tensor for it")
@@ -196,12 +232,12 @@ def gguf_names(names, tc: dict) -> dict[str, str]:
     return out
 
 
-def _tensors(ckpt: Checkpoint, tc: dict, outtype: str) -> Iterator[tuple[str, tuple, str, callable]]:
+def _tensors(ckpt: Checkpoint, tc: dict, outtype: str, mtp: bool) -> Iterator[tuple[str, tuple, str, callable]]:
     """(gguf name, numpy shape, bf16|f32, loader) of every tensor, in checkpoint order; each loader
     reads and transforms its one tensor when called."""
     seen = set()
-    for name, gname in gguf_names(ckpt.entries, tc).items():
-        entry, hf = ckpt.entries[name], _hf_names(name)
+    for name, gname in gguf_names(ckpt.entries, tc, mtp).items():
+        entry, hf = ckpt.entries[name], _hf_names(name, mtp)
         if gname in seen:
             raise GGUFExportError(f"{name}: {gname} written twice")
         seen.add(gname)
@@ -269,18 +305,22 @@ def ggml_type_for(bits_per_weight: float) -> str:
     return min(GGML_BPW, key=lambda t: (abs(GGML_BPW[t] - bits_per_weight), -GGML_BPW[t]))
 
 
-def tensor_types(variant: str | Path) -> list[str]:
+def tensor_types(variant: str | Path, mtp: bool = True) -> list[str]:
     """A mixbit variant's allocation as llama-quantize `--tensor-type-file` lines
     (`^gguf_name$=type`, one per quantized tensor), each at the ggml type nearest its bits.
-    Tensors mixbit keeps in bf16 stay bf16. The variant's recipe.json names every tensor."""
+    Tensors mixbit keeps in bf16 stay bf16. The variant's recipe.json names every tensor; with
+    `mtp`, the MTP head's quantized tensors too (for a GGUF written with it)."""
     from .formats import Format
 
     variant = Path(variant)
     recipe = json.loads((variant / "recipe.json").read_text())
     # recipe paths are MLX module paths (language_model.model.layers.0.mlp.up_proj): as stored
-    stored = {re.sub(r"^language_model\.model\.", "model.language_model.", p) + ".weight": p for p in recipe["tensors"]}
+    formats = {re.sub(r"^language_model\.model\.", "model.language_model.", p) + ".weight": t["format"]
+               for p, t in recipe["tensors"].items()}
+    if mtp:  # checkpoint names, each with its format or "as stored"
+        formats.update({n: f for n, f in (recipe.get("mtp") or {}).get("tensors", {}).items() if f != "as stored"})
     lines = []
-    for name, gname in gguf_names(stored, text_config(variant)).items():
-        kind = ggml_type_for(Format.parse(recipe["tensors"][stored[name]]["format"]).bits_per_weight())
+    for name, gname in gguf_names(formats, text_config(variant), mtp).items():
+        kind = ggml_type_for(Format.parse(formats[name]).bits_per_weight())
         lines.append(f"^{re.escape(gname)}$={kind}")
     return lines

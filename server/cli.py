@@ -277,7 +277,7 @@ def cmd_export(args) -> int:
     done: dict[str, Any] = {"model": m.source}
     try:
         if args.gguf:
-            out = write_gguf(resolved.path, args.gguf)
+            out = write_gguf(resolved.path, args.gguf, mtp=not args.no_mtp)
             done["gguf"] = {"path": str(out), "bytes": out.stat().st_size}
         if args.tensor_types:
             from mixbit.quant.variants import ensure_variant
@@ -289,7 +289,7 @@ def cmd_export(args) -> int:
                                      if q.recipe == "mixbit-auto" else None,
                                      calibration=q.calibration or None, sensitivity=q.sensitivity,
                                      sensitivity_seconds=q.sensitivity_seconds, memory_gb=q.memory_gb)
-            lines = tensor_types(variant.path)
+            lines = tensor_types(variant.path, mtp=not args.no_mtp)
             target = Path(args.tensor_types)
             fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=".types-")
             with os.fdopen(fd, "w") as fh:
@@ -411,10 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="the model as GGUF for llama.cpp; a variant's bits as llama-quantize tensor types")
     _add_settings_flags(p, QUANT_FLAGS)
-    p.add_argument("--gguf", metavar="FILE", help="write the model (bf16, no MTP head) as GGUF here")
+    p.add_argument("--gguf", metavar="FILE", help="write the model (bf16, with its MTP head for llama-server's "
+                   "--spec-type draft-mtp) as GGUF here")
     p.add_argument("--tensor-types", metavar="FILE",
                    help="write the variant's allocation (--recipe, --target-bpw) as llama-quantize's "
                         "--tensor-type-file here: each tensor at the ggml type nearest its bits")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave the MTP head out (for a llama.cpp without Qwen3.5 MTP support)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")

@@ -12,6 +12,7 @@ import ast
 import re
 import json
 import subprocess
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -50,7 +51,9 @@ def _field(reader, key):
 
 def test_gguf_metadata_is_what_llamas_qwen35_loader_reads(reader):
     assert _field(reader, "general.architecture") == "qwen35"
-    assert _field(reader, "qwen35.block_count") == CFG["num_hidden_layers"]
+    n = CFG["num_hidden_layers"]
+    assert _field(reader, "qwen35.block_count") == n + 1  # the MTP block after the decoder's
+    assert _field(reader, "qwen35.nextn_predict_layers") == 1
     assert _field(reader, "qwen35.embedding_length") == CFG["hidden_size"]
     assert _field(reader, "qwen35.feed_forward_length") == CFG["intermediate_size"]
     assert _field(reader, "qwen35.attention.head_count_kv") == CFG["num_key_value_heads"]
@@ -59,11 +62,16 @@ def test_gguf_metadata_is_what_llamas_qwen35_loader_reads(reader):
     assert _field(reader, "qwen35.rope.dimension_count") == 16  # head_dim 64 x partial rotary 0.25
     assert _field(reader, "qwen35.rope.dimension_sections") == [4, 2, 2, 0]
     assert _field(reader, "qwen35.attention.recurrent_layers") == [
-        t == "linear_attention" for t in CFG["layer_types"]]
+        t == "linear_attention" for t in CFG["layer_types"]] + [False]
     names = {t.name for t in reader.tensors}
-    assert not any("nextn" in n for n in names)  # the MTP head stays out
+    assert {f"blk.{n}.nextn.{t}.weight" for t in ("eh_proj", "enorm", "hnorm", "shared_head_norm")} <= names
+    assert {f"blk.{n}.attn_q.weight", f"blk.{n}.ffn_down.weight", f"blk.{n}.attn_norm.weight"} <= names
+    assert not any(x.startswith(f"blk.{n}.ssm") for x in names)  # the MTP layer is full attention
     assert "output.weight" not in names  # tied: llama.cpp reuses token_embd
+    # qwen35's tensors, and the nextn ones llama.cpp's qwen35 loader reads for the MTP block (the
+    # PyPI gguf package lists those for other architectures only)
     allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN35]}
+    allowed |= {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSOR if t.name.startswith("NEXTN_")}
     for n in names:
         base = n.rsplit(".", 1)[0] if n.endswith((".weight", ".bias")) else n
         assert re.sub(r"^blk\.\d+\.", "blk.{bid}.", base) in allowed, n
@@ -128,6 +136,14 @@ def test_gguf_tensors_are_the_weights_mixbit_computes_with(reader, loaded_tiny):
         assert np.array_equal(f32(f"blk.{i}.ssm_conv1d.weight")[:qk], conv[:qk])
         checked += 1
     assert checked == CFG["layer_types"].count("linear_attention")
+    # the MTP head (its norms with the +1 too), as the block after the decoder's
+    n, m = CFG["num_hidden_layers"], "language_model.mtp."
+    for gname, name in (("nextn.eh_proj", "fc"), ("nextn.enorm", "pre_fc_norm_embedding"),
+                        ("nextn.hnorm", "pre_fc_norm_hidden"), ("nextn.shared_head_norm", "norm"),
+                        ("attn_norm", "layers.0.input_layernorm"), ("attn_q", "layers.0.self_attn.q_proj"),
+                        ("attn_k_norm", "layers.0.self_attn.k_norm"), ("post_attention_norm",
+                        "layers.0.post_attention_layernorm"), ("ffn_up", "layers.0.mlp.up_proj")):
+        assert np.array_equal(f32(f"blk.{n}.{gname}.weight"), params[m + name + ".weight"]), gname
 
 
 def test_export_cli_writes_gguf_atomically_and_refuses_with_a_message(tmp_path):
@@ -142,8 +158,19 @@ def test_export_cli_writes_gguf_atomically_and_refuses_with_a_message(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = types.read_text().split()
     assert json.loads(r.stdout.strip().splitlines()[-1])["tensor_types"]["tensors"] == len(lines) > 0
-    assert "^token_embd\\.weight$=q4_K" in lines and all(line.endswith("=q4_K") for line in lines)
+    mtp_block = f"^blk\\.{CFG['num_hidden_layers']}\\."
+    assert "^token_embd\\.weight$=q4_K" in lines
+    assert all(line.endswith("=q6_K" if line.startswith(mtp_block) else "=q4_K") for line in lines)
+    assert f"{mtp_block}nextn\\.eh_proj\\.weight$=q6_K" in lines  # the head at the variant's MTP format
+    r = run_cli("export", "--tensor-types", str(types), "--recipe", "uniform-4", "--no-mtp", "--gguf",
+                str(tmp_path / "no-mtp.gguf"), "--set", f"model.cache_dir={tmp_path / 'cache'}")
+    assert r.returncode == 0, r.stderr
+    assert not any(line.startswith(mtp_block) for line in types.read_text().split())
+    no_mtp = gguf.GGUFReader(str(tmp_path / "no-mtp.gguf"))
+    assert not any("nextn" in t.name for t in no_mtp.tensors)
+    assert _field(no_mtp, "qwen35.block_count") == CFG["num_hidden_layers"]
     types.unlink()
+    (tmp_path / "no-mtp.gguf").unlink()
     r = run_cli("export")
     assert r.returncode == 2 and "nothing to export" in r.stderr
     r = run_cli("export", "--gguf", str(tmp_path / "missing" / "x.gguf"))
@@ -270,4 +297,51 @@ def test_tensor_type_file_sets_each_tensors_type(tiny_gguf, uniform4, tmp_path):
     types = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(str(out)).tensors}
     want = {line.split("=")[0].strip("^$").replace("\\", ""): line.split("=")[1].lower() for line in lines}
     assert want and all(types[n] == t for n, t in want.items())
-    assert set(want.values()) == {"q4_k"}  # uniform-4: q4g64 everywhere
+    assert set(want.values()) == {"q4_k", "q6_k"}  # uniform-4: q4g64 everywhere, the MTP head q6g64
+
+
+@needs("llama-server")
+def test_llama_server_drafts_with_the_exported_mtp_head(tiny_gguf, loaded_tiny, tmp_path):
+    """llama.cpp's own MTP drafting (`--spec-type draft-mtp`, one draft a step) on the exported head
+    keeps about as many drafts as mixbit's drafting on the same held-out prompts: both feed the head
+    x_{t+1} with h_t taken after the final norm (a head fed another position's hidden state would be
+    kept near never), and both read the same exported weights."""
+    import httpx
+
+    from mixbit.server.speculative import Speculation
+    from tests.bench.mtp_bench import decode, embedded_prompts
+    from tests.bench.serve_bench import free_port
+
+    prompts = embedded_prompts(loaded_tiny, 6)
+    port = free_port()
+    log = open(tmp_path / "llama-server.log", "w")
+    proc = subprocess.Popen([str(tool("llama-server")), "-m", str(tiny_gguf), "--spec-type", "draft-mtp",
+                             "--draft-max", "1", "-t", "2", "-np", "1", "-c", "4096", "--host", "127.0.0.1",
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        drafted = accepted = 0
+        for p in prompts:
+            r = httpx.post(url + "/completion", json={"prompt": p, "n_predict": 48, "temperature": 0,
+                                                      "top_k": 1, "cache_prompt": False}, timeout=120)
+            assert r.status_code == 200, r.text
+            t = r.json()["timings"]
+            drafted += t.get("draft_n", 0)
+            accepted += t.get("draft_n_accepted", 0)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    assert drafted > 50, (tmp_path / "llama-server.log").read_text()[-2000:]
+    _, _, counters = decode(loaded_tiny, prompts, 48, sorted(loaded_tiny.tokenizer.eos_token_ids),
+                            Speculation(drafts=1))
+    llama_acceptance = accepted / drafted
+    assert counters.acceptance > 0.6
+    assert llama_acceptance == pytest.approx(counters.acceptance, abs=0.12)

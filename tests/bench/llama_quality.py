@@ -56,7 +56,7 @@ def model_params(folder: Path) -> int:
     from mixbit.quant.gguf_export import gguf_names, text_config
 
     entries = Checkpoint(folder).entries
-    return sum(math.prod(entries[n].shape) for n in gguf_names(entries, text_config(folder)))
+    return sum(math.prod(entries[n].shape) for n in gguf_names(entries, text_config(folder), mtp=False))
 
 
 def gguf_bytes(path: Path) -> int:
@@ -143,7 +143,7 @@ def main() -> int:
 
     bf16 = work / "bf16.gguf"
     if not bf16.exists():
-        write_gguf(resolved.path, bf16)
+        write_gguf(resolved.path, bf16, mtp=False)  # the trunk's quality: the MTP head left out
     # the imatrix: mixbit's own calibration rows (what mixbit-auto calibrates on), as text whose
     # special tokens llama-imatrix parses (--parse-special), in chunks of the rows' length
     cal = calib.build(ref.tokenizer, n_rows=16, length=128, split="train")
@@ -186,7 +186,7 @@ def main() -> int:
         if spec not in variants:
             variants[spec] = Path(build_variant(spec, resolved, cache_dir, work)[0])
         types = work / f"types-{spec}.txt"
-        types.write_text("\n".join(tensor_types(variants[spec])) + "\n")
+        types.write_text("\n".join(tensor_types(variants[spec], mtp=False)) + "\n")
         for use in (False, True):
             path = quantize(bf16, "Q4_K_M", work / f"export-{spec}{'-imat' if use else ''}.gguf",
                             imatrix if use else None, types)
