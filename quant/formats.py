@@ -191,11 +191,13 @@ def fit_streams() -> list:
     return _FIT_STREAMS
 
 
-def quantize(w: mx.array, fmt: Format) -> tuple[mx.array, mx.array, mx.array]:
+def quantize(w: mx.array, fmt: Format, streams: int = 2) -> tuple[mx.array, mx.array, mx.array]:
     """(packed weight, scales, biases) in MLX's format, fitted (fit_affine); 2-D or stacked 3-D,
-    a row chunk at a time (groups run along the last axis), two chunks at once."""
+    a row chunk at a time (groups run along the last axis), `streams` chunks at once on a CPU
+    (the same bits at any count)."""
     parts, pending = [], []
-    streams = fit_streams() if mx.default_device() == mx.cpu else [mx.default_stream(mx.default_device())]
+    streams = fit_streams()[:max(1, streams)] if mx.default_device() == mx.cpu \
+        else [mx.default_stream(mx.default_device())]
     for chunk in _row_chunks(w):
         with mx.stream(streams[len(pending)]):
             codes, scales, biases = fit_affine(chunk, fmt)

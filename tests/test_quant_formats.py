@@ -50,8 +50,9 @@ def test_stacked_experts_and_row_chunks_are_fitted_like_one_matrix(monkeypatch):
     whole = quantize(w, Format(4, 64))
     monkeypatch.setattr(F, "FIT_ELEMENTS", 128 * 50)  # chunks of 50 rows, across expert bounds
     chunked = quantize(w, Format(4, 64))
-    for a, b in zip(whole, chunked):
-        assert a.shape[:2] == (4, 96) and mx.array_equal(a, b).item()
+    one_stream = quantize(w, Format(4, 64), streams=1)  # the same bits on one stream
+    for a, b, c in zip(whole, chunked, one_stream):
+        assert a.shape[:2] == (4, 96) and mx.array_equal(a, b).item() and mx.array_equal(a, c).item()
     codes, _, _ = fit_affine(w.reshape(-1, 128), Format(4, 64))
     assert codes.dtype == mx.uint8 and int(codes.max().item()) <= 15
 

@@ -15,7 +15,13 @@ time (c=1), temperature 0, the decode rate counted from the first generated toke
 - at a real shape, each MTP row twice: the head drafting over the whole vocabulary and over the
   --draft-vocab most frequent tokens (FR-Spec; the served default);
 - c=8 (eight prompts decoding together; drafting is off in a batch, but every step keeps the head's
-  cache in step): the aggregate rate with MTP against without.
+  cache in step): the aggregate rate with MTP against without;
+- with --llama: llama-server (tests/bench/llama_cpp.py builds it) on the same prompt tokens, one
+  request at a time, without and with its own MTP drafting (`--spec-type draft-mtp`, the same
+  number of drafts): the embedded model as `mixbit export --gguf` writes it (bf16, with the head),
+  a real shape as llama.cpp's converter writes it (with the head), quantized to --llama-quant.
+  Its decode rate is llama-server's own (`timings`), its acceptance `draft_n_accepted / draft_n`;
+  on random weights its head accepts nothing (llama.cpp has no replay), so that row is its cost.
 
 Every MTP row's tokens are compared with the plain run's ("same": token-identical).
 """
@@ -103,6 +109,59 @@ def decode(lm, prompts, tokens: int, stops, spec=None, replay=None, batch: int =
     return [out[i] for i in range(len(prompts))], decoded / decode_s, counters
 
 
+def llama_gguf(shape: str, quant: str) -> tuple[Path, str]:
+    """(GGUF with the MTP head, its label): the embedded model as mixbit exports it (bf16), a real
+    shape as llama.cpp's converter writes it, quantized to `quant`."""
+    from tests.bench.kernel_serve_bench import GGUF, gguf, shape_checkpoint
+    from tests.bench.llama_cpp import build
+
+    src = build(("llama-server", "llama-quantize"))
+    if shape == "embedded":
+        from mixbit.quant.gguf_export import write_gguf
+
+        out = GGUF / "embedded-mtp-bf16.gguf"
+        if not out.exists():
+            GGUF.mkdir(parents=True, exist_ok=True)
+            write_gguf(ROOT / "models" / "tiny-qwen3.5", out)
+        return out, "bf16"
+    folder, _, _ = shape_checkpoint(shape)
+    return gguf(src, folder, shape, quant), quant
+
+
+def llama_decode(model: Path, prompts, tokens: int, drafts: int) -> tuple[float, float, list]:
+    """(decode tok/s over all prompts, draft acceptance, tokens of each) from llama-server, one
+    request at a time, greedy; `drafts` > 0 drafts with the GGUF's MTP head."""
+    import httpx
+
+    from tests.bench.llama_cpp import tool
+    from tests.bench.serve_bench import Server, free_port
+
+    port = free_port()
+    spec = ["--spec-type", "draft-mtp", "--draft-max", str(drafts)] if drafts else []
+    server = Server(f"llama-mtp{drafts}", [str(tool("llama-server")), "-m", str(model), "-t", "2", "-np", "1",
+                                           "-c", "8192", "--host", "127.0.0.1", "--port", str(port), *spec], port)
+    try:
+        server.wait("/health", timeout=600)
+
+        def complete(p):
+            return httpx.post(server.url + "/completion", json={
+                "prompt": p, "n_predict": tokens, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True}, timeout=600).json()
+
+        complete(prompts[0])  # warm-up
+        n = ms = drafted = accepted = 0
+        out = []
+        for p in prompts:
+            r = complete(p)
+            out.append(r.get("tokens", []))
+            t = r["timings"]
+            n, ms = n + t["predicted_n"], ms + t["predicted_ms"]
+            drafted, accepted = drafted + t.get("draft_n", 0), accepted + t.get("draft_n_accepted", 0)
+        return n / ms * 1000, accepted / drafted if drafted else float("nan"), out
+    finally:
+        server.stop()
+
+
 def make_replay(recorded: list[list[int]], acceptance: float, vocab: int, seed: int = 0):
     """replay(prompt index, tokens generated, k): the plain run's next k tokens, each replaced
     by another at the rate 1 - acceptance."""
@@ -133,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="also draft over this many frequent tokens (generation.mtp_draft_vocab)")
     ap.add_argument("--c8", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--llama", action="store_true", help="llama-server beside, without and with draft-mtp")
+    ap.add_argument("--llama-quant", default="Q4_K_M", help="llama-quantize type for a real shape's GGUF")
     args = ap.parse_args(argv)
     drafts = [int(x) for x in args.drafts.split(",") if x]
     rows = []
@@ -168,6 +229,15 @@ def main(argv=None) -> int:
             _, mtp8, _ = decode(lm, p8, args.tokens, stops, Speculation(drafts=drafts[0]), batch=8)
             rows.append((shape, "c=8 plain", "-", "-", plain8, 1.0, "-"))
             rows.append((shape, f"c=8 mtp on (k={drafts[0]})", "-", "-", mtp8, mtp8 / plain8, "-"))
+        if args.llama:
+            model, what = llama_gguf(shape, args.llama_quant)
+            for k in [0] + drafts[:1]:
+                rate, acc, toks = llama_decode(model, prompts, args.tokens, k)
+                label = "-" if not k else f"{acc:.2f}"
+                # the same greedy tokens as mixbit's plain run (llama.cpp stops at end-of-text too)
+                same = f"{sum(a == b[:len(a)] for a, b in zip(toks, base))}/{len(base)}" if shape == "embedded" else "-"
+                rows.append((shape, f"llama-server {what}" + (f", draft-mtp k={k}" if k else ""), label, "-",
+                             rate, rate / base_rate, same))
         del lm
     print("\n| model | decoding | acceptance | accepted by position | decode tok/s | vs plain | same tokens |")
     print("|---|---|---|---|---|---|---|")
