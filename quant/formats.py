@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from mixbit.models import kernels
+
 BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
 SCALE_BYTES = 2  # MLX stores per-group scale and bias in the model's float dtype (bf16 on disk)
@@ -85,17 +87,12 @@ GATE_FORMAT_BITS = 8  # routers and gates never below this
 # nearest); mixbit fits them instead, as llama.cpp's K-quants do (make_qkx2_quants): a few
 # candidate ranges around min..max, each rounded, then the least-squares scale and bias of those
 # codes; the candidate with the least squared error wins, per group (mx.quantize's own choice is
-# one of them). Same format, same bytes, read by stock MLX. Measured with a prototype (min..max
-# in place of mx.quantize's choice) on the embedded model, every tensor at one format, 6 held-out
-# chunks: q4g64 KLD 0.0240 -> 0.0167, q3g64 0.105 -> 0.078; 21 candidates with 2 refinements
-# (llama.cpp's count) bought no more (0.0174, 0.071); the least-squares refit of the
-# round-to-nearest codes alone, 0.0193 / 0.086. Cost: 7 s for a 4096 x 12288 weight on this
-# 2-core machine with 5 ranges (mx.quantize: 0.13 s), once per weight, when the variant is written.
+# one of them). Same format, same bytes, read by stock MLX. What it buys (docs/llama-quality.md)
+# and costs (docs/sizes.md, tests/bench/fit_bench.py) is measured there. On a CPU the fit runs on
+# mixbit's kernels (models/kernels: the same arithmetic in the same order, the same bits); this
+# MLX version is the reference and the fallback where they are not built.
 # Ranges tried besides mx.quantize's, (2^bits - 1 + 0.1 k) / (max - min) for |k| <= this, by bits:
-# the fit is worth most at few bits (less squared error than mx.quantize on Gaussian weights: 2-3
-# bits 15-25%, 8 bits 3%) and costs per range. With 5 ranges at every width, a first start at the 9B
-# shape (4 layers) went from 401 s to 900 s: the 248k-row embedding and head 14 -> 323 s, the
-# layers 118 -> 273 s (docs/sizes.md)
+# the fit is worth most at few bits and costs per range.
 FIT_RANGES = {2: 2, 3: 2, 4: 2, 5: 1, 6: 0, 8: 0}
 FIT_ELEMENTS = 1 << 22  # weights fitted at a time: the fit's float32 temporaries stay ~100 MB
 
@@ -191,10 +188,13 @@ def fit_streams() -> list:
     return _FIT_STREAMS
 
 
-def quantize(w: mx.array, fmt: Format, streams: int = 2) -> tuple[mx.array, mx.array, mx.array]:
+def quantize(w: mx.array, fmt: Format, streams: int = 2, kernel: bool = True) -> tuple[mx.array, mx.array, mx.array]:
     """(packed weight, scales, biases) in MLX's format, fitted (fit_affine); 2-D or stacked 3-D,
-    a row chunk at a time (groups run along the last axis), `streams` chunks at once on a CPU
-    (the same bits at any count)."""
+    a row chunk at a time (groups run along the last axis). On a CPU the fit runs on mixbit's
+    kernels where they are built (`kernel`; the same bits, ~10x faster), else in MLX with
+    `streams` chunks at once (the same bits at any count)."""
+    if kernel and kernels.fit_available():
+        return _quantize_on_kernels(w, fmt)
     parts, pending = [], []
     streams = fit_streams()[:max(1, streams)] if mx.default_device() == mx.cpu \
         else [mx.default_stream(mx.default_device())]
@@ -208,6 +208,17 @@ def quantize(w: mx.array, fmt: Format, streams: int = 2) -> tuple[mx.array, mx.a
             pending = []
     mx.eval(pending)
     parts += pending
+    return tuple(mx.concatenate([p[i] for p in parts]).reshape(*w.shape[:-1], -1) for i in range(3))
+
+
+def _quantize_on_kernels(w: mx.array, fmt: Format) -> tuple[mx.array, mx.array, mx.array]:
+    parts = []
+    for chunk in _row_chunks(w):
+        _, s0, b0 = mx.quantize(chunk, group_size=fmt.group_size, bits=fmt.bits)
+        packed, scales, biases = kernels.fit_affine(chunk, s0, b0, fmt.bits, fmt.group_size,
+                                                    FIT_RANGES.get(fmt.bits, 0))
+        parts.append((mx.array(packed), mx.array(scales).astype(mx.bfloat16),
+                      mx.array(biases).astype(mx.bfloat16)))
     return tuple(mx.concatenate([p[i] for p in parts]).reshape(*w.shape[:-1], -1) for i in range(3))
 
 

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mixbit.models import kernels
 from mixbit.quant.formats import BITS, GROUPS, Format, dequantize, fit_affine, pack, quantize
 
 
@@ -55,6 +56,32 @@ def test_stacked_experts_and_row_chunks_are_fitted_like_one_matrix(monkeypatch):
         assert a.shape[:2] == (4, 96) and mx.array_equal(a, b).item() and mx.array_equal(a, c).item()
     codes, _, _ = fit_affine(w.reshape(-1, 128), Format(4, 64))
     assert codes.dtype == mx.uint8 and int(codes.max().item()) <= 15
+
+
+@pytest.mark.skipif(not kernels.fit_available(), reason="mixbit's kernels are not built here")
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+def test_the_fit_on_the_kernels_gives_the_same_bits_as_in_mlx(portable):
+    # the writer fits on the kernels; the MLX fit is the reference (and the fallback without them)
+    rng = np.random.default_rng(7)
+    w = rng.standard_t(3, size=(67, 512)).astype(np.float32) * 0.02  # 67 rows: groups not a multiple of 8
+    w[::9] *= 40
+    w[3, :128] = 0.25  # constant groups at every group size
+    w[5] = 0.0
+    w[6, 256:] = rng.standard_normal(256) * 1e-6
+    cases = [mx.array(w).astype(mx.bfloat16), mx.array(w),  # stored bf16, and float32 (AWQ-scaled)
+             mx.array(rng.standard_normal((3, 40, 128)).astype(np.float32)).astype(mx.bfloat16)]  # stacked
+    kernels._qkernel.force_portable(portable)
+    try:
+        for x in cases:
+            for bits in BITS:
+                for group in GROUPS:
+                    fmt = Format(bits, group)
+                    a, b = quantize(x, fmt, kernel=False), quantize(x, fmt, kernel=True)
+                    for u, v in zip(a, b):
+                        assert u.dtype == v.dtype and u.shape == v.shape, (fmt, x.dtype, x.shape)
+                        assert mx.array_equal(u, v).item(), (fmt.name, x.dtype, x.shape)
+    finally:
+        kernels._qkernel.force_portable(False)
 
 
 def test_the_quantize_time_check_measures_the_variant_as_written(tmp_path):

@@ -17,7 +17,8 @@ for it); each computes what MLX computes for the dequantized weight, to rounding
 Beside the projections, Qwen3.5's other costly parts on the CPU: the GatedDeltaNet recurrence over
 a prompt or a decode step (`gated_delta`), its short convolution (`depthwise_conv`), SiLU
 (`silu`: MLX's Linux build computes exp one value at a time) and the normalisation of a decode
-step's logits (`logsumexp`). Each kernel call evaluates its inputs (a synchronisation), which is
+step's logits (`logsumexp`); and for the quantizer, the fit of each group's scale and bias a variant
+is written with (`fit_affine`, bit for bit quant/formats.py's MLX fit). Each kernel call evaluates its inputs (a synchronisation), which is
 why small projections stay dense inside MLX's graph. docs/cpu-serving.md has how they are used,
 docs/cpu-serving-log.md what was measured.
 """
@@ -444,3 +445,31 @@ def logsumexp(a, axis=None, keepdims: bool = False, **kwargs):
     return mx.array(y).reshape(*a.shape[:-1], *((1,) if keepdims else ())).astype(a.dtype)
 
 
+
+
+def fit_available() -> bool:
+    """Whether the affine fit runs here (`fit_affine`): a CPU stream and the built kernels."""
+    import mlx.core as mx
+
+    return _qkernel is not None and hasattr(_qkernel, "fit_affine") and mx.default_device() == mx.cpu
+
+
+def fit_affine(x, s0, b0, bits: int, group_size: int, reach: int):
+    """quant/formats.py's fit of each group's scale and bias, on the kernels: x float32 [rows,
+    cols], (s0, b0) mx.quantize's scales and biases of it as float32 [rows, cols / group_size].
+    Returns numpy arrays: the codes packed as MLX packs them (uint32 [rows, cols * bits / 32]),
+    the fitted scales and biases (float32 holding bfloat16 values). The same bits as the MLX fit
+    (tests/test_quant_formats.py)."""
+    import mlx.core as mx
+    import numpy as np
+
+    start()
+    rows, cols = x.shape
+    groups = rows * (cols // group_size)
+    x, s0, b0 = (mx.contiguous(a.astype(mx.float32)) for a in (x, s0, b0))
+    mx.eval(x, s0, b0)
+    packed = np.empty((rows, cols * bits // 32), np.uint32)
+    scales = np.empty((rows, cols // group_size), np.float32)
+    biases = np.empty((rows, cols // group_size), np.float32)
+    _qkernel.fit_affine(x, s0, b0, packed, scales, biases, groups, group_size, bits, reach)
+    return packed, scales, biases

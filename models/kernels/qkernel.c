@@ -21,7 +21,8 @@
  * instructions per 64 weights; Zen 4, Ice Lake and later), and portable C for everything else
  * (compiled with target clones for AVX2 and the baseline). Work is split over output rows
  * between a small pool of threads; the GIL is released while they run. Beside the products: the
- * GatedDeltaNet recurrence, its depthwise convolution, SiLU and log-sum-exp. */
+ * GatedDeltaNet recurrence, its depthwise convolution, SiLU, log-sum-exp, and the affine fit a
+ * variant's weights are written with (quant/formats.py). */
 
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -1304,6 +1305,273 @@ static void lse_rows(const Job *j, int64_t r0, int64_t r1) {
     }
 }
 
+/* ---------------------------------------------------------------- the affine fit */
+
+/* quant/formats.py's fit of a group's scale and bias (fit_affine there says what and why), the
+ * same arithmetic in the same order: float32 throughout, every sum sequential over the group as
+ * MLX's CPU reductions run, no contraction into FMAs, round half to even: the same codes, scales
+ * and biases bit for bit (tests/test_quant_formats.py), ~10x faster on a CPU because nothing is
+ * written out between the steps. FIT_LANES groups run side by side, one per vector lane, from a
+ * transposed copy of their values, so a group's sums keep their order and still vectorize. */
+#define FIT_LANES 8
+#define FIT_MAX_GROUP 128
+
+typedef struct {
+    const float *x;       /* [G, group] */
+    const float *s0, *b0; /* [G]: mx.quantize's scale and bias */
+    uint32_t *packed;     /* [G, group * bits / 32]: MLX's packing, group by group */
+    float *scale, *bias;  /* [G]: bfloat16 values, as float32 */
+    int64_t groups;
+    int group, bits, reach;
+} Fit;
+
+static inline float bf16_round(float v) { /* float32 -> bfloat16 -> float32, as MLX rounds */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        u = 0x7fc00000u;
+    else
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+#define FOR_L for (int l = 0; l < FIT_LANES; l++)
+
+/* The steps over a group's values, lane by lane (portable C) and with one AVX2 vector for the
+ * lanes (GCC's vectorizer turns the portable loops inside out instead: in-order sums over a
+ * group, 5x slower); min/max/blend keep the portable branches' results for zeros and ties. */
+typedef struct {
+    /* err = the squared error of each group coded with bf16(scale), bf16(bias) (rounded in place) */
+    void (*score)(const float *xt, int gs, float nmax, float *scale, float *bias, float *err);
+    /* q = the nearest codes of every value for (scale, bias), or (range) of (x - lo) * r */
+    void (*codes)(const float *xt, int gs, float nmax, const float *scale, const float *bias, float *q);
+    void (*range)(const float *xt, int gs, float nmax, const float *lo, const float *r, float *q);
+    /* the sums of the least-squares fit of the codes q: sum q, sum q q, sum q x */
+    void (*sums)(const float *xt, const float *q, int gs, float *sq, float *sqq, float *sqx);
+    /* each group's least and largest value and its sum */
+    void (*stats)(const float *xt, int gs, float *lo, float *hi, float *sx);
+} FitSteps;
+
+static inline float fit_code(float v, float nmax) {
+    v = rintf(v);
+    v = v > 0.0f ? v : 0.0f;
+    return v < nmax ? v : nmax;
+}
+
+static void fit_round_lanes(float *scale, float *bias, float *den) {
+    FOR_L {
+        scale[l] = bf16_round(scale[l]);
+        bias[l] = bf16_round(bias[l]);
+        den[l] = scale[l] == 0.0f ? 1.0f : scale[l];
+    }
+}
+
+static void score_c(const float *restrict xt, int gs, float nmax, float *restrict scale, float *restrict bias,
+                    float *restrict err) {
+    float den[FIT_LANES];
+    fit_round_lanes(scale, bias, den);
+    FOR_L err[l] = 0.0f;
+    for (int i = 0; i < gs; i++) FOR_L {
+        const float x = xt[i * FIT_LANES + l], d = scale[l] * fit_code((x - bias[l]) / den[l], nmax) + bias[l] - x;
+        err[l] += d * d;
+    }
+}
+
+static void codes_c(const float *restrict xt, int gs, float nmax, const float *restrict scale,
+                    const float *restrict bias, float *restrict q) {
+    for (int i = 0; i < gs; i++) FOR_L {
+        const float den = scale[l] == 0.0f ? 1.0f : scale[l];
+        q[i * FIT_LANES + l] = fit_code((xt[i * FIT_LANES + l] - bias[l]) / den, nmax);
+    }
+}
+
+static void range_c(const float *restrict xt, int gs, float nmax, const float *restrict lo,
+                    const float *restrict r, float *restrict q) {
+    for (int i = 0; i < gs; i++) FOR_L q[i * FIT_LANES + l] = fit_code((xt[i * FIT_LANES + l] - lo[l]) * r[l], nmax);
+}
+
+static void sums_c(const float *restrict xt, const float *restrict q, int gs, float *restrict sq,
+                   float *restrict sqq, float *restrict sqx) {
+    FOR_L sq[l] = sqq[l] = sqx[l] = 0.0f;
+    for (int i = 0; i < gs; i++) FOR_L {
+        const float c = q[i * FIT_LANES + l];
+        sq[l] += c;
+        sqq[l] += c * c;
+        sqx[l] += c * xt[i * FIT_LANES + l];
+    }
+}
+
+static void stats_c(const float *restrict xt, int gs, float *restrict lo, float *restrict hi, float *restrict sx) {
+    FOR_L {
+        lo[l] = hi[l] = xt[l];
+        sx[l] = 0.0f;
+    }
+    for (int i = 0; i < gs; i++) FOR_L {
+        const float v = xt[i * FIT_LANES + l];
+        lo[l] = v < lo[l] ? v : lo[l];
+        hi[l] = v > hi[l] ? v : hi[l];
+        sx[l] += v;
+    }
+}
+
+#ifdef MIXBIT_X86
+#define FIT_AVX2 __attribute__((target("avx2")))
+
+FIT_AVX2 static inline __m256 code_avx2(__m256 v, __m256 top) {
+    v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), top);
+}
+
+FIT_AVX2 static void score_avx2(const float *xt, int gs, float nmax, float *scale, float *bias, float *err) {
+    float den_l[FIT_LANES];
+    fit_round_lanes(scale, bias, den_l);
+    const __m256 s = _mm256_loadu_ps(scale), b = _mm256_loadu_ps(bias), den = _mm256_loadu_ps(den_l);
+    const __m256 top = _mm256_set1_ps(nmax);
+    __m256 e = _mm256_setzero_ps();
+    for (int i = 0; i < gs; i++) {
+        const __m256 x = _mm256_loadu_ps(xt + i * FIT_LANES);
+        const __m256 c = code_avx2(_mm256_div_ps(_mm256_sub_ps(x, b), den), top);
+        const __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(s, c), b), x);
+        e = _mm256_add_ps(e, _mm256_mul_ps(d, d));
+    }
+    _mm256_storeu_ps(err, e);
+}
+
+FIT_AVX2 static void codes_avx2(const float *xt, int gs, float nmax, const float *scale, const float *bias,
+                                float *q) {
+    const __m256 s = _mm256_loadu_ps(scale), b = _mm256_loadu_ps(bias), top = _mm256_set1_ps(nmax);
+    const __m256 den = _mm256_blendv_ps(s, _mm256_set1_ps(1.0f), _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    for (int i = 0; i < gs; i++)
+        _mm256_storeu_ps(q + i * FIT_LANES,
+                         code_avx2(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(xt + i * FIT_LANES), b), den), top));
+}
+
+FIT_AVX2 static void range_avx2(const float *xt, int gs, float nmax, const float *lo, const float *r, float *q) {
+    const __m256 l = _mm256_loadu_ps(lo), k = _mm256_loadu_ps(r), top = _mm256_set1_ps(nmax);
+    for (int i = 0; i < gs; i++)
+        _mm256_storeu_ps(q + i * FIT_LANES,
+                         code_avx2(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xt + i * FIT_LANES), l), k), top));
+}
+
+FIT_AVX2 static void sums_avx2(const float *xt, const float *q, int gs, float *sq, float *sqq, float *sqx) {
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), c = _mm256_setzero_ps();
+    for (int i = 0; i < gs; i++) {
+        const __m256 v = _mm256_loadu_ps(q + i * FIT_LANES);
+        a = _mm256_add_ps(a, v);
+        b = _mm256_add_ps(b, _mm256_mul_ps(v, v));
+        c = _mm256_add_ps(c, _mm256_mul_ps(v, _mm256_loadu_ps(xt + i * FIT_LANES)));
+    }
+    _mm256_storeu_ps(sq, a);
+    _mm256_storeu_ps(sqq, b);
+    _mm256_storeu_ps(sqx, c);
+}
+
+FIT_AVX2 static void stats_avx2(const float *xt, int gs, float *lo, float *hi, float *sx) {
+    __m256 a = _mm256_loadu_ps(xt), b = a, c = _mm256_setzero_ps();
+    for (int i = 0; i < gs; i++) {
+        const __m256 v = _mm256_loadu_ps(xt + i * FIT_LANES);
+        a = _mm256_min_ps(v, a);
+        b = _mm256_max_ps(v, b);
+        c = _mm256_add_ps(c, v);
+    }
+    _mm256_storeu_ps(lo, a);
+    _mm256_storeu_ps(hi, b);
+    _mm256_storeu_ps(sx, c);
+}
+#endif
+
+static const FitSteps fit_portable = {score_c, codes_c, range_c, sums_c, stats_c};
+static FitSteps fit_steps = {score_c, codes_c, range_c, sums_c, stats_c};
+
+/* the least-squares scale and bias of the codes q (span / nmax and lo where they are degenerate) */
+static void fit_solve(const float *xt, const float *q, int gs, float nmax, const float *sx, const float *lo,
+                      const float *span, float *scale, float *bias) {
+    float sq[FIT_LANES], sqq[FIT_LANES], sqx[FIT_LANES];
+    fit_steps.sums(xt, q, gs, sq, sqq, sqx);
+    const float n = (float)gs;
+    FOR_L {
+        float det = n * sqq[l] - sq[l] * sq[l];
+        const int ok = det > 0.0f;
+        det = ok ? det : 1.0f;
+        const float s = (n * sqx[l] - sq[l] * sx[l]) / det, b = (sqq[l] * sx[l] - sq[l] * sqx[l]) / det;
+        scale[l] = ok ? s : span[l] / nmax;
+        bias[l] = ok ? b : lo[l];
+    }
+}
+
+static void fit_keep_better(float *be, float *bs, float *bb, const float *e, const float *s, const float *b) {
+    FOR_L if (e[l] < be[l]) {
+        be[l] = e[l];
+        bs[l] = s[l];
+        bb[l] = b[l];
+    }
+}
+
+/* groups g0 .. g0 + FIT_LANES - 1 (`lanes` of them real: the rest repeat the first) */
+static void fit_block(const Fit *f, int64_t g0, int lanes) {
+    const int gs = f->group, bits = f->bits;
+    const float nmax = (float)((1 << bits) - 1);
+    float xt[FIT_MAX_GROUP * FIT_LANES], q[FIT_MAX_GROUP * FIT_LANES];
+    float lo[FIT_LANES], hi[FIT_LANES], span[FIT_LANES], sx[FIT_LANES], flat[FIT_LANES];
+    float be[FIT_LANES], bs[FIT_LANES], bb[FIT_LANES], e[FIT_LANES], s[FIT_LANES], b[FIT_LANES];
+    FOR_L {
+        const int64_t g = g0 + (l < lanes ? l : 0);
+        const float *x = f->x + g * gs;
+        for (int i = 0; i < gs; i++) xt[i * FIT_LANES + l] = x[i];
+        bs[l] = f->s0[g];
+        bb[l] = f->b0[g];
+    }
+    fit_steps.stats(xt, gs, lo, hi, sx);
+    FOR_L {
+        span[l] = hi[l] - lo[l];
+        flat[l] = span[l] <= 0.0f;
+        span[l] = flat[l] ? 1.0f : span[l];
+    }
+    fit_steps.score(xt, gs, nmax, bs, bb, be); /* mx.quantize's own choice */
+    fit_steps.codes(xt, gs, nmax, bs, bb, q); /* then the least-squares refit of its codes */
+    fit_solve(xt, q, gs, nmax, sx, lo, span, s, b);
+    fit_steps.score(xt, gs, nmax, s, b, e);
+    fit_keep_better(be, bs, bb, e, s, b);
+    for (int k = -f->reach; k <= f->reach && f->reach > 0; k++) { /* ranges around min..max */
+        const float steps = (float)((double)nmax + 0.1 * k);
+        float r[FIT_LANES];
+        FOR_L r[l] = steps / span[l];
+        fit_steps.range(xt, gs, nmax, lo, r, q);
+        fit_solve(xt, q, gs, nmax, sx, lo, span, s, b);
+        fit_steps.score(xt, gs, nmax, s, b, e);
+        fit_keep_better(be, bs, bb, e, s, b);
+    }
+    fit_steps.codes(xt, gs, nmax, bs, bb, q);
+    const int words = gs * bits / 32;
+    for (int l = 0; l < lanes; l++) { /* each group's codes as a little-endian bit stream */
+        uint32_t *w = f->packed + (g0 + l) * words;
+        uint64_t acc = 0;
+        int have = 0;
+        const uint32_t keep = flat[l] ? 0u : 0xffffffffu;
+        for (int i = 0; i < gs; i++) {
+            acc |= (uint64_t)((uint32_t)q[i * FIT_LANES + l] & keep) << have;
+            have += bits;
+            if (have >= 32) {
+                *w++ = (uint32_t)acc;
+                acc >>= 32;
+                have -= 32;
+            }
+        }
+        const int64_t g = g0 + l;
+        f->scale[g] = flat[l] ? 0.0f : bs[l];
+        f->bias[g] = flat[l] ? lo[l] : bb[l];
+    }
+}
+
+static void fit_part(const Job *j, int64_t u0, int64_t u1) {
+    const Fit *f = j->ctx;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t g0 = u * FIT_LANES, left = f->groups - g0;
+        fit_block(f, g0, left < FIT_LANES ? (int)left : FIT_LANES);
+    }
+}
+
 /* ---------------------------------------------------------------- thread pool */
 
 static int n_threads = 1;
@@ -1774,6 +2042,29 @@ static PyObject *py_logsumexp(PyObject *self, PyObject *args) {
     return release_bufs(bufs, got);
 }
 
+static PyObject *py_fit_affine(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[6];
+    long long groups;
+    int group, bits, reach;
+    if (!PyArg_ParseTuple(args, "OOOOOOLiii", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &groups, &group, &bits, &reach))
+        return NULL;
+    if (groups < 1 || group < 32 || group > FIT_MAX_GROUP || group % 32 || bits < 1 || bits > 8 || reach < 0)
+        return PyErr_Format(PyExc_ValueError, "bad fit: groups=%lld group=%d bits=%d reach=%d", groups, group,
+                            bits, reach);
+    const Py_ssize_t sizes[6] = {groups * group, groups, groups, groups * group * bits / 32, groups, groups};
+    const char *names[6] = {"x", "s0", "b0", "packed", "scales", "biases"};
+    Py_buffer bufs[6];
+    const int got = float_bufs(objs, sizes, names, 6, 3, bufs);
+    if (!PyErr_Occurred()) {
+        Fit d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf, groups, group,
+                 bits, reach};
+        run_units(&d, fit_part, (groups + FIT_LANES - 1) / FIT_LANES, FIT_LANES * group * 64, 16);
+    }
+    return release_bufs(bufs, got);
+}
+
 static PyObject *py_info(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     return Py_BuildValue("{s:s,s:i,s:i,s:O,s:O}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
@@ -1803,6 +2094,8 @@ static PyObject *py_force_portable(PyObject *self, PyObject *args) {
                             __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl"));
     have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
     have_amx = have_avx512 && amx_enable();
+    fit_steps = fit_portable;
+    if (!on && __builtin_cpu_supports("avx2")) fit_steps = (FitSteps){score_avx2, codes_avx2, range_avx2, sums_avx2, stats_avx2};
 #endif
     Py_RETURN_NONE;
 }
@@ -1829,6 +2122,10 @@ static PyMethodDef methods[] = {
      "silu(a, b, y, n): y = silu(a) * b, or silu(a) where b is None, over n float32 values."},
     {"logsumexp", py_logsumexp, METH_VARARGS,
      "logsumexp(x, y, rows, n): y[r] = log(sum(exp(x[r, :]))) over float32 rows of n values."},
+    {"fit_affine", py_fit_affine, METH_VARARGS,
+     "fit_affine(x, s0, b0, packed, scales, biases, groups, group, bits, reach): quant/formats.py's fitted "
+     "scale and bias of each group of x (float32 [groups, group]) from mx.quantize's (s0, b0), the codes "
+     "packed as MLX packs them (uint32 [groups, group * bits / 32]), scales and biases as float32."},
     {"info", py_info, METH_NOARGS, "the instruction set path and thread count in use"},
     {"set_threads", py_set_threads, METH_VARARGS, "start the pool with this many threads (once)"},
     {"force_portable", py_force_portable, METH_VARARGS, "use (or stop using) the portable path"},
@@ -1844,6 +2141,7 @@ PyMODINIT_FUNC PyInit__qkernel(void) {
                   __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
     have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
     have_amx = have_avx512 && amx_enable();
+    if (__builtin_cpu_supports("avx2")) fit_steps = (FitSteps){score_avx2, codes_avx2, range_avx2, sums_avx2, stats_avx2};
 #endif
     const char *spin = getenv("MIXBIT_KERNEL_SPIN_US");
     if (spin) spin_us = atoi(spin);
