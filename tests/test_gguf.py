@@ -316,11 +316,12 @@ def test_llama_server_drafts_with_the_exported_mtp_head(tiny_gguf, loaded_tiny, 
     port = free_port()
     log = open(tmp_path / "llama-server.log", "w")
     proc = subprocess.Popen([str(tool("llama-server")), "-m", str(tiny_gguf), "--spec-type", "draft-mtp",
-                             "--draft-max", "1", "-t", "2", "-np", "1", "-c", "4096", "--host", "127.0.0.1",
+                             "--spec-draft-n-max", "1", "-t", "2", "-np", "1", "-c", "4096", "--host", "127.0.0.1",
                              "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(300):
+            assert proc.poll() is None, (tmp_path / "llama-server.log").read_text()[-2000:]
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break

@@ -137,7 +137,7 @@ def llama_decode(model: Path, prompts, tokens: int, drafts: int) -> tuple[float,
     from tests.bench.serve_bench import Server, free_port
 
     port = free_port()
-    spec = ["--spec-type", "draft-mtp", "--draft-max", str(drafts)] if drafts else []
+    spec = ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(drafts)] if drafts else []
     server = Server(f"llama-mtp{drafts}", [str(tool("llama-server")), "-m", str(model), "-t", "2", "-np", "1",
                                            "-c", "8192", "--host", "127.0.0.1", "--port", str(port), *spec], port)
     try:
