@@ -19,7 +19,10 @@ import mlx.nn as nn
 from .formats import Format, fake_quantize
 
 ALPHAS = tuple(i / 10 for i in range(11))
-SEARCH_MACS = 20 << 30  # multiply-adds of one candidate's error, at most (the 0.8B shape: every row)
+# multiply-adds of one candidate's error, at most: every row of the embedded model's groups, every
+# k-th row at real widths (the 9B's in_proj group: ~600 of 12,352 rows, each over 2,048 tokens; the
+# candidates are compared on the same rows)
+SEARCH_MACS = 6 << 30
 
 
 @dataclass
@@ -62,16 +65,21 @@ def _error(x: mx.array, members: list[tuple[mx.array, Format]], s: mx.array | No
     return float(total.item())
 
 
-def group_inputs(layer, h: mx.array) -> dict[str, mx.array]:
-    """The input of each norm-fed projection group of one layer, from the layer's input h."""
+def group_inputs(layer, h: mx.array, output: bool = False):
+    """The input of each norm-fed projection group of one layer, from the layer's input h; with
+    `output`, (those, the layer's output): the layer's own steps, its attention computed once."""
     mask_fa, mask_ssm = _masks(h)
     mask = mask_ssm if layer.is_linear else mask_fa
     attn = layer.linear_attn if layer.is_linear else layer.self_attn
     out = {"input_layernorm": layer.input_layernorm(h)}
-    out["post_attention_layernorm"] = layer.post_attention_layernorm(
-        h + attn(out["input_layernorm"], mask, None))
-    mx.eval(out)
-    return out
+    after_attn = h + attn(out["input_layernorm"], mask, None)
+    out["post_attention_layernorm"] = layer.post_attention_layernorm(after_attn)
+    if not output:
+        mx.eval(out)
+        return out
+    nxt = after_attn + layer.mlp(out["post_attention_layernorm"])
+    mx.eval(out, nxt)
+    return out, nxt
 
 
 def _masks(h):

@@ -214,9 +214,7 @@ def quantize(w: mx.array, fmt: Format, streams: int = 2, kernel: bool = True) ->
 def _quantize_on_kernels(w: mx.array, fmt: Format) -> tuple[mx.array, mx.array, mx.array]:
     parts = []
     for chunk in _row_chunks(w):
-        _, s0, b0 = mx.quantize(chunk, group_size=fmt.group_size, bits=fmt.bits)
-        packed, scales, biases = kernels.fit_affine(chunk, s0, b0, fmt.bits, fmt.group_size,
-                                                    FIT_RANGES.get(fmt.bits, 0))
+        packed, scales, biases = kernels.fit_affine(chunk, fmt.bits, fmt.group_size, FIT_RANGES.get(fmt.bits, 0))
         parts.append((mx.array(packed), mx.array(scales).astype(mx.bfloat16),
                       mx.array(biases).astype(mx.bfloat16)))
     return tuple(mx.concatenate([p[i] for p in parts]).reshape(*w.shape[:-1], -1) for i in range(3))

@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .formats import BITS, Format, fake_quantize, formats_for, tensor_class
+from .formats import BITS, Format, fake_quantize, fit_streams, formats_for, tensor_class
 from .progress import Progress
 from .sensitivity import SensitivityTable, layer_of
 from .stream import ChunkedFakeQuant, LayerStream, _get_child as _child
@@ -141,18 +141,26 @@ def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False) 
     mx.eval(flat)
     if stride > 1:
         imp = imp[::stride] if by_row else imp
+    # formats side by side on the CPU's streams (MLX runs a stream's element-wise work on one
+    # thread), a pair's temporaries at a time; the same sums as one after the other
+    streams = fit_streams() if mx.default_device() == mx.cpu else [mx.default_stream(mx.default_device())]
     out = {}
-    for fmt in fmts:
-        total = 0.0
-        for start in range(0, flat.shape[0], ROW_CHUNK):
-            chunk = flat[start:start + ROW_CHUNK]
-            d = chunk.astype(mx.float32) - fake_quantize(chunk, fmt).astype(mx.float32)
-            sq = d * d
-            if by_row:
-                total += float((sq.sum(axis=1) * imp[start:start + ROW_CHUNK]).sum().item())
-            else:
-                total += float((sq.sum(axis=0) * imp).sum().item())
-        out[fmt.name] = total * n_rows / flat.shape[0]
+    for k in range(0, len(fmts), len(streams)):
+        sums = {}
+        for fmt, stream in zip(fmts[k:k + len(streams)], streams):
+            with mx.stream(stream):
+                sums[fmt.name] = []
+                for start in range(0, flat.shape[0], ROW_CHUNK):
+                    chunk = flat[start:start + ROW_CHUNK]
+                    d = chunk.astype(mx.float32) - fake_quantize(chunk, fmt).astype(mx.float32)
+                    sq = d * d
+                    if by_row:
+                        sums[fmt.name].append((sq.sum(axis=1) * imp[start:start + ROW_CHUNK]).sum())
+                    else:
+                        sums[fmt.name].append((sq.sum(axis=0) * imp).sum())
+        mx.eval(sums)
+        for name, parts in sums.items():
+            out[name] = sum(float(p.item()) for p in parts) * n_rows / flat.shape[0]
     return out
 
 

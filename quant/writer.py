@@ -235,8 +235,7 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
         base = stream.layer_path(i)
         if awq:  # the unquantized layer: AWQ's inputs, the next layer's, the reference
             with stream.layer(i, float32=True) as layer:
-                inputs = group_inputs(layer, h_cal)
-                h_cal_next = stream.apply(i, layer, h_cal)
+                inputs, h_cal_next = group_inputs(layer, h_cal, output=True)
                 h_ref_next = stream.apply(i, layer, h_ref)
         else:
             h_ref_next = stream.run_layer(i, h_ref)

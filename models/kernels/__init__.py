@@ -454,22 +454,21 @@ def fit_available() -> bool:
     return _qkernel is not None and hasattr(_qkernel, "fit_affine") and mx.default_device() == mx.cpu
 
 
-def fit_affine(x, s0, b0, bits: int, group_size: int, reach: int):
-    """quant/formats.py's fit of each group's scale and bias, on the kernels: x float32 [rows,
-    cols], (s0, b0) mx.quantize's scales and biases of it as float32 [rows, cols / group_size].
-    Returns numpy arrays: the codes packed as MLX packs them (uint32 [rows, cols * bits / 32]),
-    the fitted scales and biases (float32 holding bfloat16 values). The same bits as the MLX fit
-    (tests/test_quant_formats.py)."""
+def fit_affine(x, bits: int, group_size: int, reach: int):
+    """quant/formats.py's fit of each group's scale and bias, on the kernels (mx.quantize's own
+    choice computed here too): x float32 [rows, cols]. Returns numpy arrays: the codes packed as
+    MLX packs them (uint32 [rows, cols * bits / 32]), the fitted scales and biases (float32
+    holding bfloat16 values). The same bits as the MLX fit (tests/test_quant_formats.py)."""
     import mlx.core as mx
     import numpy as np
 
     start()
     rows, cols = x.shape
     groups = rows * (cols // group_size)
-    x, s0, b0 = (mx.contiguous(a.astype(mx.float32)) for a in (x, s0, b0))
-    mx.eval(x, s0, b0)
+    x = mx.contiguous(x.astype(mx.float32))
+    mx.eval(x)
     packed = np.empty((rows, cols * bits // 32), np.uint32)
     scales = np.empty((rows, cols // group_size), np.float32)
     biases = np.empty((rows, cols // group_size), np.float32)
-    _qkernel.fit_affine(x, s0, b0, packed, scales, biases, groups, group_size, bits, reach)
+    _qkernel.fit_affine(x, packed, scales, biases, groups, group_size, bits, reach)
     return packed, scales, biases

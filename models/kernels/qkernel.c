@@ -1318,7 +1318,6 @@ static void lse_rows(const Job *j, int64_t r0, int64_t r1) {
 
 typedef struct {
     const float *x;       /* [G, group] */
-    const float *s0, *b0; /* [G]: mx.quantize's scale and bias */
     uint32_t *packed;     /* [G, group * bits / 32]: MLX's packing, group by group */
     float *scale, *bias;  /* [G]: bfloat16 values, as float32 */
     int64_t groups;
@@ -1519,10 +1518,17 @@ static void fit_block(const Fit *f, int64_t g0, int lanes) {
         const int64_t g = g0 + (l < lanes ? l : 0);
         const float *x = f->x + g * gs;
         for (int i = 0; i < gs; i++) xt[i * FIT_LANES + l] = x[i];
-        bs[l] = f->s0[g];
-        bb[l] = f->b0[g];
     }
     fit_steps.stats(xt, gs, lo, hi, sx);
+    FOR_L { /* mx.quantize's scale and bias: one edge of the group exact, the scale's sign by it */
+        const int at_min = fabsf(lo[l]) > fabsf(hi[l]);
+        float scale = (hi[l] - lo[l]) / nmax;
+        scale = scale > 1e-7f ? scale : 1e-7f;
+        scale = at_min ? scale : -scale;
+        const float edge = at_min ? lo[l] : hi[l], q0 = rintf(edge / scale);
+        bs[l] = q0 != 0.0f ? edge / q0 : scale;
+        bb[l] = q0 != 0.0f ? edge : 0.0f;
+    }
     FOR_L {
         span[l] = hi[l] - lo[l];
         flat[l] = span[l] <= 0.0f;
@@ -2044,22 +2050,20 @@ static PyObject *py_logsumexp(PyObject *self, PyObject *args) {
 
 static PyObject *py_fit_affine(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *objs[6];
+    PyObject *objs[4];
     long long groups;
     int group, bits, reach;
-    if (!PyArg_ParseTuple(args, "OOOOOOLiii", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &groups, &group, &bits, &reach))
+    if (!PyArg_ParseTuple(args, "OOOOLiii", &objs[0], &objs[1], &objs[2], &objs[3], &groups, &group, &bits, &reach))
         return NULL;
     if (groups < 1 || group < 32 || group > FIT_MAX_GROUP || group % 32 || bits < 1 || bits > 8 || reach < 0)
         return PyErr_Format(PyExc_ValueError, "bad fit: groups=%lld group=%d bits=%d reach=%d", groups, group,
                             bits, reach);
-    const Py_ssize_t sizes[6] = {groups * group, groups, groups, groups * group * bits / 32, groups, groups};
-    const char *names[6] = {"x", "s0", "b0", "packed", "scales", "biases"};
-    Py_buffer bufs[6];
-    const int got = float_bufs(objs, sizes, names, 6, 3, bufs);
+    const Py_ssize_t sizes[4] = {groups * group, groups * group * bits / 32, groups, groups};
+    const char *names[4] = {"x", "packed", "scales", "biases"};
+    Py_buffer bufs[4];
+    const int got = float_bufs(objs, sizes, names, 4, 1, bufs);
     if (!PyErr_Occurred()) {
-        Fit d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, bufs[4].buf, bufs[5].buf, groups, group,
-                 bits, reach};
+        Fit d = {bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, groups, group, bits, reach};
         run_units(&d, fit_part, (groups + FIT_LANES - 1) / FIT_LANES, FIT_LANES * group * 64, 16);
     }
     return release_bufs(bufs, got);
@@ -2123,9 +2127,9 @@ static PyMethodDef methods[] = {
     {"logsumexp", py_logsumexp, METH_VARARGS,
      "logsumexp(x, y, rows, n): y[r] = log(sum(exp(x[r, :]))) over float32 rows of n values."},
     {"fit_affine", py_fit_affine, METH_VARARGS,
-     "fit_affine(x, s0, b0, packed, scales, biases, groups, group, bits, reach): quant/formats.py's fitted "
-     "scale and bias of each group of x (float32 [groups, group]) from mx.quantize's (s0, b0), the codes "
-     "packed as MLX packs them (uint32 [groups, group * bits / 32]), scales and biases as float32."},
+     "fit_affine(x, packed, scales, biases, groups, group, bits, reach): quant/formats.py's fitted scale and "
+     "bias of each group of x (float32 [groups, group]), the codes packed as MLX packs them (uint32 "
+     "[groups, group * bits / 32]), scales and biases as float32 (bfloat16 values)."},
     {"info", py_info, METH_NOARGS, "the instruction set path and thread count in use"},
     {"set_threads", py_set_threads, METH_VARARGS, "start the pool with this many threads (once)"},
     {"force_portable", py_force_portable, METH_VARARGS, "use (or stop using) the portable path"},
