@@ -125,7 +125,8 @@ def first_pass(stream: LayerStream, rows: mx.array, progress: Progress | None = 
                      rows_total=rows.shape[0], layer_seconds=seconds, head_seconds=head_s)
 
 
-def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False) -> dict[str, float]:
+def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False,
+                    streams: int = 2) -> dict[str, float]:
     """E(t, f) for each format f: squared quantization error weighted by input-channel
     importance (or, for an untied embedding, by row frequency). Quantization groups run along a
     row, so a tensor with more than ERROR_ELEMENTS weights is estimated from every k-th row
@@ -141,9 +142,10 @@ def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False) 
     mx.eval(flat)
     if stride > 1:
         imp = imp[::stride] if by_row else imp
-    # formats side by side on the CPU's streams (MLX runs a stream's element-wise work on one
+    # formats side by side on the CPU's `streams` (MLX runs a stream's element-wise work on one
     # thread), a pair's temporaries at a time; the same sums as one after the other
-    streams = fit_streams() if mx.default_device() == mx.cpu else [mx.default_stream(mx.default_device())]
+    streams = fit_streams()[:max(1, streams)] if mx.default_device() == mx.cpu \
+        else [mx.default_stream(mx.default_device())]
     out = {}
     for k in range(0, len(fmts), len(streams)):
         sums = {}

@@ -289,3 +289,38 @@ def test_streamed_kl_matches_the_direct_one_even_when_tiny(tiny_dense):
     assert 0 < float(direct.mean()) < 1e-3
     assert mx.allclose(kld, direct, rtol=1e-3, atol=1e-8).item()
     assert same.all().item()
+
+
+@pytest.mark.parametrize("which", ["embedded", "moe"])
+def test_awq_inputs_and_the_next_layer_from_one_pass(which, embedded_path, tiny_moe):
+    # the writer takes AWQ's group inputs and the next layer's hidden states from one pass of a
+    # layer: the same values as the layer run whole (linear-attention, full-attention, MoE layers)
+    from mixbit.quant.awq import group_inputs
+    from mixbit.quant.stream import LayerStream
+
+    stream = LayerStream(embedded_path if which == "embedded" else tiny_moe)
+    h = stream.embed(mx.random.randint(0, 1000, (3, 40), key=mx.random.key(2)))
+    kinds = set()
+    for i in range(len(stream.layers)):
+        with stream.layer(i, float32=True) as layer:
+            alone = group_inputs(layer, h)
+            inputs, nxt = group_inputs(layer, h, output=True)
+            whole = stream.apply(i, layer, h)
+        kinds.add(layer.is_linear)
+        assert all(mx.array_equal(alone[k], inputs[k]).item() for k in alone)
+        assert mx.array_equal(nxt, whole).item(), i
+        h = whole
+    assert kinds == {True, False}
+
+
+def test_weighted_errors_on_two_streams_are_the_sums_on_one():
+    from mixbit.quant.formats import formats_for
+    from mixbit.quant.probe import weighted_errors
+
+    w = (mx.random.normal((3000, 256), key=mx.random.key(3)) * 0.02).astype(mx.bfloat16)
+    imp = mx.random.uniform(shape=(256,), key=mx.random.key(4))
+    rows = mx.random.uniform(shape=(3000,), key=mx.random.key(5))
+    for weights, by_row in ((imp, False), (rows, True)):
+        one = weighted_errors(w, formats_for(256), weights, by_row=by_row, streams=1)
+        two = weighted_errors(w, formats_for(256), weights, by_row=by_row, streams=2)
+        assert one == two and len(one) == 18 and all(v > 0 for v in one.values())
