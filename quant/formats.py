@@ -191,7 +191,7 @@ def fit_streams() -> list:
 def quantize(w: mx.array, fmt: Format, streams: int = 2, kernel: bool = True) -> tuple[mx.array, mx.array, mx.array]:
     """(packed weight, scales, biases) in MLX's format, fitted (fit_affine); 2-D or stacked 3-D,
     a row chunk at a time (groups run along the last axis). On a CPU the fit runs on mixbit's
-    kernels where they are built (`kernel`; the same bits, ~10x faster), else in MLX with
+    kernels where they are built (`kernel`; the same bits, tests/bench/fit_bench.py), else in MLX with
     `streams` chunks at once (the same bits at any count)."""
     if kernel and kernels.fit_available():
         return _quantize_on_kernels(w, fmt)
@@ -214,7 +214,8 @@ def quantize(w: mx.array, fmt: Format, streams: int = 2, kernel: bool = True) ->
 def _quantize_on_kernels(w: mx.array, fmt: Format) -> tuple[mx.array, mx.array, mx.array]:
     parts = []
     for chunk in _row_chunks(w):
-        packed, scales, biases = kernels.fit_affine(chunk, fmt.bits, fmt.group_size, FIT_RANGES.get(fmt.bits, 0))
+        reach = FIT_RANGES.get(fmt.bits, 0)
+        packed, scales, biases = kernels.fit_affine(chunk, fmt.bits, fmt.group_size, reach)
         parts.append((mx.array(packed), mx.array(scales).astype(mx.bfloat16),
                       mx.array(biases).astype(mx.bfloat16)))
     return tuple(mx.concatenate([p[i] for p in parts]).reshape(*w.shape[:-1], -1) for i in range(3))

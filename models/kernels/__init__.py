@@ -17,9 +17,10 @@ for it); each computes what MLX computes for the dequantized weight, to rounding
 Beside the projections, Qwen3.5's other costly parts on the CPU: the GatedDeltaNet recurrence over
 a prompt or a decode step (`gated_delta`), its short convolution (`depthwise_conv`), SiLU
 (`silu`: MLX's Linux build computes exp one value at a time) and the normalisation of a decode
-step's logits (`logsumexp`); and for the quantizer, the fit of each group's scale and bias a variant
-is written with (`fit_affine`, bit for bit quant/formats.py's MLX fit). Each kernel call evaluates its inputs (a synchronisation), which is
-why small projections stay dense inside MLX's graph. docs/cpu-serving.md has how they are used,
+step's logits (`logsumexp`); for the quantizer, the fit of each group's scale and bias a variant
+is written with (`fit_affine`, bit for bit quant/formats.py's MLX fit). Each kernel call
+evaluates its inputs (a synchronisation), which is why small projections stay dense inside MLX's
+graph. docs/cpu-serving.md has how they are used,
 docs/cpu-serving-log.md what was measured.
 """
 
@@ -443,8 +444,6 @@ def logsumexp(a, axis=None, keepdims: bool = False, **kwargs):
     y = _output((rows,), "lse")
     _qkernel.logsumexp(x, y, rows, n)
     return mx.array(y).reshape(*a.shape[:-1], *((1,) if keepdims else ())).astype(a.dtype)
-
-
 
 
 def fit_available() -> bool:
