@@ -177,15 +177,18 @@ def _row_chunks(w: mx.array):
         yield flat[s:s + step]
 
 
-_FIT_STREAMS: list = []
+_CPU_STREAMS: list = []
 
 
-def fit_streams() -> list:
-    """Two CPU streams for the fit: MLX runs a stream's element-wise work on one thread, so two
-    chunks fitted side by side use two cores (1.4-1.6x on this 2-core machine)."""
-    if not _FIT_STREAMS:
-        _FIT_STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
-    return _FIT_STREAMS
+def cpu_streams(n: int = 2) -> list:
+    """Up to `n` (at most two) streams to run independent element-wise work side by side (the MLX
+    fit's chunks, the formats of the activation-weighted errors): MLX runs a stream's element-wise
+    work on one CPU thread, so two streams use two cores. Off the CPU, the device's one stream."""
+    if mx.default_device() != mx.cpu:
+        return [mx.default_stream(mx.default_device())]
+    if not _CPU_STREAMS:
+        _CPU_STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(2))
+    return _CPU_STREAMS[:max(1, n)]
 
 
 def quantize(w: mx.array, fmt: Format, streams: int = 2, kernel: bool = True) -> tuple[mx.array, mx.array, mx.array]:
@@ -196,8 +199,7 @@ def quantize(w: mx.array, fmt: Format, streams: int = 2, kernel: bool = True) ->
     if kernel and kernels.fit_available():
         return _quantize_on_kernels(w, fmt)
     parts, pending = [], []
-    streams = fit_streams()[:max(1, streams)] if mx.default_device() == mx.cpu \
-        else [mx.default_stream(mx.default_device())]
+    streams = cpu_streams(streams)
     for chunk in _row_chunks(w):
         with mx.stream(streams[len(pending)]):
             codes, scales, biases = fit_affine(chunk, fmt)
@@ -208,17 +210,22 @@ def quantize(w: mx.array, fmt: Format, streams: int = 2, kernel: bool = True) ->
             pending = []
     mx.eval(pending)
     parts += pending
-    return tuple(mx.concatenate([p[i] for p in parts]).reshape(*w.shape[:-1], -1) for i in range(3))
+    return _joined(parts, w.shape)
 
 
 def _quantize_on_kernels(w: mx.array, fmt: Format) -> tuple[mx.array, mx.array, mx.array]:
     parts = []
+    reach = FIT_RANGES.get(fmt.bits, 0)
     for chunk in _row_chunks(w):
-        reach = FIT_RANGES.get(fmt.bits, 0)
         packed, scales, biases = kernels.fit_affine(chunk, fmt.bits, fmt.group_size, reach)
         parts.append((mx.array(packed), mx.array(scales).astype(mx.bfloat16),
                       mx.array(biases).astype(mx.bfloat16)))
-    return tuple(mx.concatenate([p[i] for p in parts]).reshape(*w.shape[:-1], -1) for i in range(3))
+    return _joined(parts, w.shape)
+
+
+def _joined(parts: list, shape) -> tuple[mx.array, mx.array, mx.array]:
+    """Row chunks' (packed, scales, biases) as one weight's, in its leading shape."""
+    return tuple(mx.concatenate([p[i] for p in parts]).reshape(*shape[:-1], -1) for i in range(3))
 
 
 def fake_quantize(w: mx.array, fmt: Format) -> mx.array:

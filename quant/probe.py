@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .formats import BITS, Format, fake_quantize, fit_streams, formats_for, tensor_class
+from .formats import BITS, Format, cpu_streams, fake_quantize, formats_for, tensor_class
 from .progress import Progress
 from .sensitivity import SensitivityTable, layer_of
 from .stream import ChunkedFakeQuant, LayerStream, _get_child as _child
@@ -142,10 +142,9 @@ def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False,
     mx.eval(flat)
     if stride > 1:
         imp = imp[::stride] if by_row else imp
-    # formats side by side on the CPU's `streams` (MLX runs a stream's element-wise work on one
-    # thread), a pair's temporaries at a time; the same sums as one after the other
-    streams = fit_streams()[:max(1, streams)] if mx.default_device() == mx.cpu \
-        else [mx.default_stream(mx.default_device())]
+    # formats side by side on `streams` CPU streams, a pair's temporaries at a time; the same sums
+    # as one after the other
+    streams = cpu_streams(streams)
     out = {}
     for k in range(0, len(fmts), len(streams)):
         sums = {}

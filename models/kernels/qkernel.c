@@ -1310,8 +1310,8 @@ static void lse_rows(const Job *j, int64_t r0, int64_t r1) {
 /* quant/formats.py's fit of a group's scale and bias (fit_affine there says what and why), the
  * same arithmetic in the same order: float32 throughout, every sum sequential over the group as
  * MLX's CPU reductions run, no contraction into FMAs, round half to even: the same codes, scales
- * and biases bit for bit (tests/test_quant_formats.py), ~10x faster on a CPU because nothing is
- * written out between the steps. FIT_LANES groups run side by side, one per vector lane, from a
+ * and biases bit for bit (tests/test_quant_formats.py), and nothing written out between the steps
+ * (tests/bench/fit_bench.py times both). FIT_LANES groups run side by side, one per vector lane, from a
  * transposed copy of their values, so a group's sums keep their order and still vectorize. */
 #define FIT_LANES 8
 #define FIT_MAX_GROUP 128
@@ -1481,7 +1481,16 @@ FIT_AVX2 static void stats_avx2(const float *xt, int gs, float *lo, float *hi, f
 #endif
 
 static const FitSteps fit_portable = {score_c, codes_c, range_c, sums_c, stats_c};
-static FitSteps fit_steps = {score_c, codes_c, range_c, sums_c, stats_c};
+static FitSteps fit_steps; /* fit_pick sets it at import */
+
+/* the steps this CPU runs: AVX2 where it has it, unless `portable` */
+static void fit_pick(int portable) {
+    fit_steps = fit_portable;
+#ifdef MIXBIT_X86
+    if (!portable && __builtin_cpu_supports("avx2"))
+        fit_steps = (FitSteps){score_avx2, codes_avx2, range_avx2, sums_avx2, stats_avx2};
+#endif
+}
 
 /* the least-squares scale and bias of the codes q (span / nmax and lo where they are degenerate) */
 static void fit_solve(const float *xt, const float *q, int gs, float nmax, const float *sx, const float *lo,
@@ -2098,9 +2107,8 @@ static PyObject *py_force_portable(PyObject *self, PyObject *args) {
                             __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl"));
     have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
     have_amx = have_avx512 && amx_enable();
-    fit_steps = fit_portable;
-    if (!on && __builtin_cpu_supports("avx2")) fit_steps = (FitSteps){score_avx2, codes_avx2, range_avx2, sums_avx2, stats_avx2};
 #endif
+    fit_pick(on);
     Py_RETURN_NONE;
 }
 
@@ -2145,8 +2153,8 @@ PyMODINIT_FUNC PyInit__qkernel(void) {
                   __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
     have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
     have_amx = have_avx512 && amx_enable();
-    if (__builtin_cpu_supports("avx2")) fit_steps = (FitSteps){score_avx2, codes_avx2, range_avx2, sums_avx2, stats_avx2};
 #endif
+    fit_pick(0);
     const char *spin = getenv("MIXBIT_KERNEL_SPIN_US");
     if (spin) spin_us = atoi(spin);
     return PyModule_Create(&module);

@@ -6,8 +6,9 @@ Qwen3.5 shape, in one run:
 For each format: seconds for mx.quantize (round to nearest, what the sensitivity passes estimate
 with), for quant.formats.quantize (the fit, what a variant is written with) in MLX on one and on
 two CPU streams and on mixbit's kernels (what the writer runs where they are built; the same bits,
-checked here), and the squared error of each against the weight (the fit is never worse). Random Gaussian weights at the 9B shape's MLP width by default (12288 x 4096, 50M weights):
-time and error ratios, not a model's quality (docs/sizes.md has what the fit costs a first start).
+checked here), and the squared error of each against the weight (the fit is never worse).
+Random Gaussian weights at the 9B shape's MLP width by default (12288 x 4096, 50M weights): time
+and error ratios, not a model's quality (docs/sizes.md has what the fit costs a first start).
 """
 
 from __future__ import annotations
