@@ -31,11 +31,47 @@ EXPERT_CHUNK_BYTES = 128 << 20  # routed experts cast to float32 at a time (MoE 
 
 
 def _f32(a: mx.array) -> mx.array:
-    """float32 for a floating weight, except stacked experts (3-D): the MoE block casts those a
-    chunk of experts at a time (`expert_chunk`), so 256 experts are never float32 at once."""
-    if a.ndim == 3 or not mx.issubdtype(a.dtype, mx.floating):
+    """float32 for a floating vector of a layer (norms, biases, the GatedDeltaNet's decays).
+    Matrices stay as stored: a linear's weight is made float32 at its call (`Float32Linear`);
+    stacked experts (3-D) a chunk of experts at a time by the MoE block (`expert_chunk`)."""
+    if a.ndim >= 2 or not mx.issubdtype(a.dtype, mx.floating):
         return a
     return a.astype(mx.float32)
+
+
+class Float32Linear(nn.Linear):
+    """A linear layer of a streamed layer, computed in float32 from the weight it holds: the
+    float32 weight made at the call and dropped after the product, which is evaluated there.
+    The numbers of a layer holding a float32 copy, with one matrix's copy at a time instead of
+    the whole layer's (1.5 GB at 27B's width). `float32_weight` says how the copy is made (the
+    writer's check dequantizes a packed weight)."""
+
+    def __init__(self, source: nn.Module):
+        nn.Module.__init__(self)
+        self.weight = source["weight"]
+        if "bias" in source:
+            self.bias = source["bias"]
+
+    def float32_weight(self) -> mx.array:
+        return self["weight"].astype(mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self.float32_weight()
+        y = mx.addmm(self["bias"].astype(mx.float32), x, w.T) if "bias" in self else x @ w.T
+        mx.eval(y)
+        return y
+
+
+def float32_linears(layer: nn.Module, skip=()) -> list[tuple[str, nn.Module]]:
+    """Puts a Float32Linear in place of each plain linear of `layer` whose weight is not float32
+    (paths in `skip` left alone); returns (path, original) to put back with `_set_child`."""
+    swapped = []
+    for path, module in layer.named_modules():
+        if type(module) is nn.Linear and path not in skip and module.weight.dtype != mx.float32:
+            swapped.append((path, module))
+    for path, module in swapped:
+        _set_child(layer, path, Float32Linear(module))
+    return swapped
 
 
 class Recorder(nn.Module):
@@ -171,9 +207,12 @@ class LayerStream:
         placeholders = layer.parameters()
         layer.update(tree_unflatten(list(flat.items())))
         del flat
+        swapped = float32_linears(layer) if float32 else []
         try:
             yield layer
         finally:
+            for path, module in swapped:
+                _set_child(layer, path, module)
             layer.update(placeholders)
 
     def rows(self, path: str) -> Rows | mx.array:
@@ -245,7 +284,7 @@ class LayerStream:
         """Layer i as it holds its weights now (float32 ones, or cast for the call)."""
         fa_mask, ssm_mask = self.masks(h)
         mask = ssm_mask if layer.is_linear else fa_mask
-        swapped = []
+        swapped = float32_linears(layer)  # (a layer read in float32 has them already)
         if record is not None:
             base = self.layer_path(i)
             for rel in quantizable(layer):
@@ -262,7 +301,7 @@ class LayerStream:
                 out = layer(h, mask=mask, cache=None)
                 mx.eval(out, *(v[0] for v in (record or {}).values()))
         finally:
-            for rel, module in swapped:
+            for rel, module in reversed(swapped):
                 _set_child(layer, rel, module)
         return out
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
@@ -28,7 +29,7 @@ from .awq import awq_layer, group_inputs
 from .formats import Format, dequantize, quantizable, quantize
 from .progress import Progress
 from .checkpoint import Checkpoint, Rows, read_header
-from .stream import LayerStream, _f32, _set_child
+from .stream import Float32Linear, LayerStream, _f32, _set_child
 
 SHARD_BYTES = 1 << 30  # a shard is written once its layers reach this size
 STATE = "state.json"
@@ -247,10 +248,12 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
                                  for g in groups]
             tensors = {}
             swapped = set()
-            # tensor by tensor: its output made, then the weight replaced by what the variant
-            # computes (float32 for the check's forward) before the next one is touched, so
-            # only one tensor's temporaries exist at a time
-            experts = []  # (path, stacked experts' module) replaced by their quantized form
+            # tensor by tensor: its output made, then the module replaced by what the variant
+            # computes before the next one is touched, so only one tensor's temporaries exist
+            # at a time. A quantized tensor stays packed: the check's forward dequantizes it at
+            # its call (one tensor's float32 copy at a time, never the whole layer's: 1.5 GB at
+            # 27B's width).
+            packed = []  # (path, original module) replaced by a packed stand-in for the check
             try:
                 for rel, module in quantizable(layer).items():
                     fmt = formats.get(f"{base}.{rel}")
@@ -258,28 +261,25 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
                     mx.eval(out)
                     tensors.update(out)
                     swapped.add(rel)
-                    quantized = fmt is not None and fmt.bits != 16
-                    if quantized and module.weight.ndim == 3:
-                        # 256 stacked experts: the check computes from the packed output, a
-                        # chunk of experts dequantized at a time, never a second full copy
-                        experts.append((rel, module))
-                        _set_child(layer, rel, _packed_experts(module, out, f"{base}.{rel}", fmt))
-                        module.weight = mx.zeros((1,), dtype=module.weight.dtype)  # released
-                        continue
-                    # the check computes with what was written
-                    module.weight = dequantize(*(out[f"{base}.{rel}.{k}"] for k in ("weight", "scales", "biases")),
-                                               fmt) if quantized else _f32(module.weight)
-                    mx.eval(module.weight)
+                    if fmt is None or fmt.bits == 16:
+                        continue  # computed from the stored weight (stream.Float32Linear)
+                    ours = {k: out[f"{base}.{rel}.{k}"] for k in ("weight", "scales", "biases")}
+                    # 256 stacked experts: computed from the packed output a chunk of experts
+                    # at a time (the MoE block's own path)
+                    _set_child(layer, rel, _packed_experts(module, ours, fmt) if module.weight.ndim == 3
+                               else _Dequantizing(ours, fmt, module.get("bias")))
+                    packed.append((rel, module))
+                    module.weight = mx.zeros((1,), dtype=module.weight.dtype)  # released
                 for name, value in tree_flatten(layer.parameters()):
                     owner, leaf = name.rsplit(".", 1)
-                    if not (owner in swapped and (leaf == "weight" or owner in dict(experts))):
+                    if not (owner in swapped and (leaf == "weight" or owner in dict(packed))):
                         tensors[f"{base}.{name}"] = value
                 shards.add(tensors)
                 del tensors
                 layer.update(tree_map(_f32, layer.parameters()))
                 h_q = stream.apply(i, layer, h_q)
             finally:
-                for rel, module in experts:
+                for rel, module in packed:
                     _set_child(layer, rel, module)
         h_ref = h_ref_next
         if awq:
@@ -321,14 +321,30 @@ def write_streamed(stream: LayerStream, partial: Path, formats: dict[str, Format
     return result
 
 
-def _packed_experts(module, out: dict[str, mx.array], path: str, fmt: Format):
+def _packed_experts(module, packed: dict[str, mx.array], fmt: Format):
     """mlx-lm's quantized form of a stack of experts holding the variant's own packed tensors."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     n, rows, cols = module.weight.shape
-    packed = QuantizedSwitchLinear(cols, rows, n, bias=False, group_size=fmt.group_size, bits=fmt.bits)
-    packed.update({k: out[f"{path}.{k}"] for k in ("weight", "scales", "biases")})
-    return packed
+    out = QuantizedSwitchLinear(cols, rows, n, bias=False, group_size=fmt.group_size, bits=fmt.bits)
+    out.update(packed)
+    return out
+
+
+class _Dequantizing(Float32Linear):
+    """A linear layer of the variant as the quantize-time check computes it: its packed tensors
+    held, the float32 weight dequantized at the call and dropped after the product (the numbers
+    of a layer holding it dequantized, with one tensor's float32 copy at a time)."""
+
+    def __init__(self, packed: dict[str, mx.array], fmt: Format, bias: mx.array | None = None):
+        nn.Module.__init__(self)
+        self.weight, self.scales, self.biases = packed["weight"], packed["scales"], packed["biases"]
+        if bias is not None:
+            self.bias = bias
+        self.fmt = fmt
+
+    def float32_weight(self) -> mx.array:
+        return dequantize(self["weight"], self["scales"], self["biases"], self.fmt)
 
 
 def _hidden(h_ref, h_q, h_cal) -> dict[str, mx.array]:

@@ -258,7 +258,7 @@ def test_experts_in_chunks_compute_what_switchglu_does(tiny_moe):
 
         fmt, stored = Format(4, 64), moe.switch_mlp.up_proj
         out = _tensor_out("up", stored.weight, fmt)
-        packed = _packed_experts(stored, out, "up", fmt)
+        packed = _packed_experts(stored, {k: out[f"up.{k}"] for k in ("weight", "scales", "biases")}, fmt)
         moe.expert_chunk = 1
         fake = mx.dequantize(out["up.weight"], out["up.scales"], out["up.biases"], group_size=64, bits=4)
         original = stored.weight
@@ -272,6 +272,43 @@ def test_experts_in_chunks_compute_what_switchglu_does(tiny_moe):
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-4).item() and not mx.allclose(got, outs[0]).item()
     assert mx.allclose(outs[1], outs[0], atol=1e-5, rtol=1e-4).item()
     assert mx.allclose(outs[3], outs[0], atol=1e-5, rtol=1e-4).item()
+
+
+def test_float32_is_made_a_matrix_at_a_time_with_the_same_numbers(tiny_dense):
+    """A layer read in float32 keeps its matrices as stored, each made float32 at its call and
+    dropped after it (a 27B-wide layer would otherwise hold 1.5 GB of float32 copies), and
+    computes what the layer holding float32 copies computes, bit for bit; so does the check's
+    packed stand-in against the dequantized weight it replaces."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
+
+    from mixbit.quant.formats import Format, dequantize, quantizable
+    from mixbit.quant.stream import Float32Linear, LayerStream, _set_child
+    from mixbit.quant.writer import _Dequantizing, _tensor_out
+
+    stream = LayerStream(tiny_dense)
+    h = stream.embed(mx.array([[1, 5, 9, 13, 17, 21, 25, 29]] * 2))
+    cast = lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a  # noqa: E731
+    for i in range(len(stream.layers)):
+        assert any(v.ndim == 2 and v.dtype == mx.bfloat16 for v in stream.layer_weights(i).values())
+        with stream.layer(i, float32=True) as layer:
+            assert not [k for k, v in tree_flatten(layer.parameters()) if v.ndim == 2 and v.dtype == mx.float32]
+            assert all(isinstance(m, Float32Linear) for m in quantizable(layer).values())
+            got = stream.apply(i, layer, h)
+        with stream.layer(i) as layer:  # every weight a float32 copy: the layer as it was run
+            assert all(type(m) is nn.Linear for m in quantizable(layer).values())  # put back
+            layer.update(tree_map(cast, layer.parameters()))
+            want = stream.apply(i, layer, h)
+            rel, module = next((r, m) for r, m in quantizable(layer).items() if m.weight.ndim == 2)
+            out = _tensor_out("t", module.weight, Format(4, 64))
+            packed = {k: out[f"t.{k}"] for k in ("weight", "scales", "biases")}
+            module.weight = dequantize(*packed.values(), Format(4, 64))
+            dequantized = stream.apply(i, layer, h)
+            _set_child(layer, rel, _Dequantizing(packed, Format(4, 64)))
+            from_packed = stream.apply(i, layer, h)
+            _set_child(layer, rel, module)
+        assert mx.array_equal(got, want).item(), i
+        assert mx.array_equal(from_packed, dequantized).item() and not mx.array_equal(dequantized, want).item()
 
 
 def test_streamed_kl_matches_the_direct_one_even_when_tiny(tiny_dense):
