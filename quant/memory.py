@@ -1,8 +1,8 @@
 """What a first start will hold in memory, said before it starts and checked against a budget.
 
 The streamed pipeline's working set does not depend on depth or on the checkpoint's size, only on
-its widths: one decoder layer (its stored bytes and a float32 copy, or the quantized output
-beside it), one chunk of the head's rows, the calibration activations and the reference
+its widths: one decoder layer (its stored bytes, the quantized output beside them, one matrix
+made float32 at a time), one chunk of the head's rows, the calibration activations and the reference
 log-probabilities of the probe and check rows. Each part is estimated from the shapes; the
 runtime (interpreter, MLX, the tokenizer) is what this process holds when the plan is made.
 `quant.memory_gb` (default: what the machine has available) is the budget: a plan over it is
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .formats import DEQUANTIZE_CHUNK_BYTES
 from .stream import EXPERT_CHUNK_BYTES
 
 GB = 1e9
@@ -89,9 +90,12 @@ def plan(stream, cal_tokens: int, check_tokens: int, probe_ref_bytes: int, budge
     hidden = int(args.hidden_size)
     inter = max(int(getattr(args, "intermediate_size", 0) or 0),
                 int(getattr(args, "moe_intermediate_size", 0) or 0) * int(getattr(args, "num_experts_per_tok", 1) or 1))
-    # a layer as stored, a float32 copy of all but its routed experts (those: one chunk)
-    layer = max((2.5 * (b - e) + 1.2 * e + (EXPERT_CHUNK_BYTES if e else 0)
+    # a layer as stored with its packed output beside it, one matrix's float32 copy at a time
+    # (twice while a dequantized one is joined from its row chunks, and a chunk's temporaries),
+    # routed experts a chunk of them in float32
+    layer = max((1.4 * b + (EXPERT_CHUNK_BYTES if e else 0)
                  for b, e in zip(stream.layer_bytes, stream.expert_bytes)), default=0)
+    layer += 2 * stream.matrix_f32_bytes + 7 * DEQUANTIZE_CHUNK_BYTES
     vocab = stream.vocab
     rows = head_chunk_rows or vocab
     parts = {

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
@@ -161,6 +162,10 @@ class LayerStream:
         self.layer_bytes = [self.checkpoint.nbytes(n) for n in sources]
         # routed experts (held in the stored dtype, computed a chunk at a time)
         self.expert_bytes = [self.checkpoint.nbytes([k for k in n if ".mlp.experts." in k]) for n in sources]
+        # the largest matrix outside them, in float32 (one is made at a time: Float32Linear)
+        self.matrix_f32_bytes = max((4 * int(np.prod(e.shape)) for n in sources for k in n
+                                     if len((e := self.checkpoint.entries[k]).shape) == 2
+                                     and ".mlp.experts." not in k), default=0)
 
     # ------------------------------------------------------------------ reading
     @staticmethod
