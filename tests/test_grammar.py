@@ -41,19 +41,47 @@ def generate(lm, grammar, text: str, prompt: str, seed: int, max_tokens: int = 4
     return out, finish
 
 
+def generate_side_by_side(lm, grammar, jobs: list[tuple[str, str, int]], max_tokens: int = 400,
+                          batch: int = 16) -> list[tuple[str, str]]:
+    """(grammar, prompt, seed) jobs sampled at temperature 1 in mixbit's decode loop, `batch`
+    sequences side by side with a grammar and a seeded sampler each, as the server runs
+    concurrent requests: (text, finish reason) per job."""
+    from mixbit.server.batching import BatchLoop
+
+    loop = BatchLoop(lm.model, stop_tokens=sorted(lm.tokenizer.eos_token_ids), max_batch=batch)
+    procs, tokens, finish = {}, {}, {}
+    for text, prompt, seed in jobs:
+        ids = lm.tokenizer.encode(render_chat(lm.tokenizer, [{"role": "user", "content": prompt}], None,
+                                              enable_thinking=False), add_special_tokens=False)
+        proc = grammar.processor(grammar.compile(text))
+        sampler = make_sampler(SamplingParams(temperature=1.0, seed=seed))
+        uid = loop.insert([ids], max_tokens, sampler=sampler, processors=[proc], draws=sampler)
+        procs[uid], tokens[uid] = proc, []
+    while len(loop):
+        for g in loop.next()[1]:
+            if g.finish_reason != "stop":
+                tokens[g.uid].append(g.token)
+            if g.finish_reason:
+                finish[g.uid] = g.finish_reason
+    for uid, proc in procs.items():
+        assert proc.failed is None, proc.failed
+    return [(lm.tokenizer.decode(tokens[u]), finish[u]) for u in procs]
+
+
 def test_200_random_schemas_always_validate(loaded_tiny, grammar):
     rng = random.Random(7)
     features = {"anyOf": 0, "$ref": 0, "enum": 0, "array": 0}
-    for i in range(200):
-        schema = random_schema(rng)
+    schemas = [random_schema(rng) for _ in range(200)]
+    for schema in schemas:
         dumped = json.dumps(schema)
         for key in features:
             features[key] += key in dumped if key != "array" else '"array"' in dumped
-        text, finish = generate(loaded_tiny, grammar, json_grammar(schema, True, False),
-                                f"Reply with JSON for {', '.join(schema['properties'])}.", seed=i)
+    assert all(n >= 10 for n in features.values()), features  # the mix covers every feature
+    jobs = [(json_grammar(s, True, False), f"Reply with JSON for {', '.join(s['properties'])}.", i)
+            for i, s in enumerate(schemas)]
+    for i, (schema, (text, finish)) in enumerate(zip(schemas, generate_side_by_side(loaded_tiny, grammar, jobs))):
         assert finish == "stop", (i, schema, text)
         jsonschema.validate(json.loads(text), schema)
-    assert all(n >= 10 for n in features.values()), features  # the mix covered every feature
 
 
 def test_json_object_mode_gives_an_object(loaded_tiny, grammar):
