@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
-import numpy as np
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .checkpoint import Checkpoint, Rows
@@ -63,12 +63,12 @@ class Float32Linear(nn.Linear):
         return y
 
 
-def float32_linears(layer: nn.Module, skip=()) -> list[tuple[str, nn.Module]]:
-    """Puts a Float32Linear in place of each plain linear of `layer` whose weight is not float32
-    (paths in `skip` left alone); returns (path, original) to put back with `_set_child`."""
+def float32_linears(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Puts a Float32Linear in place of each plain linear of `layer` whose weight is not float32;
+    returns (path, original) to put back with `_set_child`."""
     swapped = []
     for path, module in layer.named_modules():
-        if type(module) is nn.Linear and path not in skip and module.weight.dtype != mx.float32:
+        if type(module) is nn.Linear and module.weight.dtype != mx.float32:
             swapped.append((path, module))
     for path, module in swapped:
         _set_child(layer, path, Float32Linear(module))
