@@ -2,8 +2,8 @@
 
 The streamed pipeline's working set does not depend on depth or on the checkpoint's size, only on
 its widths: one decoder layer (its stored bytes, the quantized output beside them, one matrix
-made float32 at a time), one chunk of the head's rows, the calibration activations and the reference
-log-probabilities of the probe and check rows. Each part is estimated from the shapes; the
+made float32 at a time), one chunk of the head's rows, the calibration activations and the
+reference log-probabilities of the probe and check rows. Each part is estimated from the shapes; the
 runtime (interpreter, MLX, the tokenizer) is what this process holds when the plan is made.
 `quant.memory_gb` (default: what the machine has available) is the budget: a plan over it is
 refused before any work, with the numbers, instead of an out-of-memory kill an hour in.

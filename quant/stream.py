@@ -269,7 +269,8 @@ class LayerStream:
 
     @contextmanager
     def float32(self, module: nn.Module) -> Iterator[nn.Module]:
-        """The module with float32 copies of its weights, for the duration of the block."""
+        """The module with float32 copies of its vectors (norms, biases; matrices are made
+        float32 at their call, `Float32Linear`), for the duration of the block."""
         saved = module.parameters()
         module.update(tree_map(_f32, saved))
         try:
@@ -286,7 +287,8 @@ class LayerStream:
             return self.apply(i, layer, h, record)
 
     def apply(self, i: int, layer: nn.Module, h: mx.array, record: dict | None = None) -> mx.array:
-        """Layer i as it holds its weights now (float32 ones, or cast for the call)."""
+        """Layer i as it holds its weights now, computed in float32 (its linears through
+        `Float32Linear`, its vectors cast for the call where they are not float32 yet)."""
         fa_mask, ssm_mask = self.masks(h)
         mask = ssm_mask if layer.is_linear else fa_mask
         swapped = float32_linears(layer)  # (a layer read in float32 has them already)

@@ -127,9 +127,9 @@ def quantize(resolved: ResolvedModel, recipe: str, dst: Path, target_bpw: float 
              plan: dict[str, Format] | None = None, memory_gb: float = 0.0) -> dict:
     """Builds the variant folder `dst` for `recipe` layer by layer (memory: one layer, a matrix
     of it made float32 at a time, whatever the checkpoint's size; planned and checked against
-    `memory_gb` before any work, quant/memory.py); resumes a killed run of the same variant. `plan` replaces
-    the recipe's formats (benchmarks build deliberately damaged variants with it). Returns the
-    recipe.json content."""
+    `memory_gb` before any work, quant/memory.py); resumes a killed run of the same variant.
+    `plan` replaces the recipe's formats (benchmarks build deliberately damaged variants with
+    it). Returns the recipe.json content."""
     from mixbit.models.loading import load_tokenizer
 
     from . import calibration as calib
