@@ -79,5 +79,7 @@ def test_two_starts_of_a_variant_compute_the_same_logprobs(tmp_path):
     (first_plan, first), (second_plan, second) = starts
     assert first_plan["source"] == "measured" and second_plan["source"] == "cached"
     assert first_plan["shapes"] == second_plan["shapes"]
+    # the card names the kernels' instruction-set path the plan was measured on
+    assert first_plan["machine"]["isa"] == second_plan["machine"]["isa"] == kernels.info()["isa"]
     assert list((tmp_path / "cpu-plans").glob("*.json"))
     assert first == second

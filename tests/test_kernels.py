@@ -1,6 +1,6 @@
 """The packed CPU kernels (models/kernels): built at install, and what they compute is what MLX
 computes for the dequantized weight, for every width and group size the recipes use, for any
-number of rows, on the fast path and the portable one; a model served packed gives the logits
+number of rows, on each instruction-set path (AVX-512, AVX2, portable C); a model served packed gives the logits
 the dense model gives."""
 
 from __future__ import annotations
@@ -33,21 +33,42 @@ def _case(m, n, k, bits, group, seed=0):
     return x, wq, s, b
 
 
+@pytest.fixture(params=["native", "avx2", "portable"])
+def isa(request):
+    """Each instruction-set path this CPU can run: all it has, AVX2 at most (the path of CPUs
+    without AVX-512), portable C."""
+    if not kernels.available():
+        pytest.skip(f"no kernels: {kernels.IMPORT_ERROR}")
+    kernels._qkernel.force_isa(request.param)
+    try:
+        if request.param == "avx2" and kernels.info()["isa"] != "avx2":
+            pytest.skip("this CPU has no AVX2 with FMA")
+        yield request.param
+    finally:
+        kernels._qkernel.force_isa("native")
+
+
 @needs_kernels
-@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
 @pytest.mark.parametrize("bits,group", [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
                          + [(16, 0)])
-def test_matches_dequantized_matmul(bits, group, portable):
-    kernels._qkernel.force_portable(portable)
-    try:
-        for m, n, k in ((1, 67, 256), (5, 33, 384), (9, 129, 128), (17, 8, 512)):
-            x, w, s, b = _case(m, n, k, bits, group or 64, seed=m)
-            got = np.array(kernels.matmul(x, w, s, b, bits, group))
-            ref = _reference(x, w, s, b, bits, group)
-            assert got.shape == (m, n)
-            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    finally:
-        kernels._qkernel.force_portable(False)
+def test_matches_dequantized_matmul(bits, group, isa):
+    for m, n, k in ((1, 67, 256), (5, 33, 384), (9, 129, 128), (17, 8, 512)):
+        x, w, s, b = _case(m, n, k, bits, group or 64, seed=m)
+        got = np.array(kernels.matmul(x, w, s, b, bits, group))
+        ref = _reference(x, w, s, b, bits, group)
+        assert got.shape == (m, n)
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits,group", [(3, 64), (4, 128), (5, 32), (6, 64), (8, 32), (16, 0)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, isa):
+    """A decode row gives the same bits alone, in a batch, or as one position of a verify step
+    (speculative decoding's exactness rests on it): every row count of a pass and beyond."""
+    x, w, s, b = _case(11, 70, 512, bits, group or 64, seed=bits)
+    alone = np.concatenate([np.array(kernels.matmul(x[i:i + 1], w, s, b, bits, group)) for i in range(11)])
+    for m in (2, 3, 4, 5, 8, 11):
+        np.testing.assert_array_equal(np.array(kernels.matmul(x[:m], w, s, b, bits, group)), alone[:m])
 
 
 @needs_kernels
@@ -172,8 +193,8 @@ def test_model_served_packed_gives_dense_logits(embedded_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits,group", [(3, 128), (4, 64), (5, 32), (8, 128), (16, 0)])
-def test_blas_mode_for_prompts_matches(bits, group):
+@pytest.mark.parametrize("bits,group", [(2, 64), (3, 128), (4, 64), (5, 32), (6, 128), (8, 128), (16, 0)])
+def test_blas_mode_for_prompts_matches(bits, group, isa):
     """Many rows: the weight dequantized in tiles and multiplied by the process's cblas_sgemm
     (OpenBLAS, loaded by models/blas.py as `mixbit` does)."""
     assert kernels.blas_available(), "the tests load OpenBLAS (conftest) like `mixbit` does"
@@ -429,12 +450,34 @@ def test_built_at_install():
     if shutil.which("cc") or shutil.which("gcc"):
         assert kernels.available(), kernels.IMPORT_ERROR
         if sys.platform == "linux" and __import__("platform").machine() == "x86_64":
-            assert kernels.info()["isa"] in ("avx512-vbmi", "portable")
+            assert kernels.info()["isa"] in ("avx512-vbmi", "avx2", "portable")
+
+
+@needs_kernels
+def test_the_instruction_sets_can_be_capped_from_the_environment():
+    """MIXBIT_KERNEL_ISA (docs/cpu-serving.md) caps the paths a process's kernels use: the plan
+    of a variant is then measured for that path, which is how benchmarks compare them."""
+    import os
+    import subprocess
+    import sys
+
+    def isa(value):
+        env = {k: v for k, v in os.environ.items() if k != "MIXBIT_KERNEL_ISA"}
+        if value is not None:
+            env["MIXBIT_KERNEL_ISA"] = value
+        out = subprocess.run([sys.executable, "-c", "from mixbit.models import kernels; "
+                              "print(kernels.info()['isa'])"], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    native = isa(None)
+    assert isa("portable") == "portable"
+    assert isa("avx2") == ("portable" if native == "portable" else "avx2")
+    assert isa("native") == isa("anything else") == native
 
 
 @needs_kernels
 @pytest.mark.parametrize("B,Hk,Hv,Dk,Dv", [(1, 2, 4, 64, 64), (3, 16, 16, 128, 128), (2, 1, 2, 48, 32)])
-def test_gated_delta_step_matches_mlx_lm(B, Hk, Hv, Dk, Dv):
+def test_gated_delta_step_matches_mlx_lm(B, Hk, Hv, Dk, Dv, isa):
     """The decode step of the gated delta rule against mlx-lm's own step ops, several steps in a
     row (the state carried)."""
     from mlx_lm.models.gated_delta import gated_delta_ops
@@ -477,7 +520,7 @@ def test_reused_output_buffers_never_alias_results():
 
 @needs_kernels
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv", [(1, 37, 2, 4, 64, 64), (2, 130, 16, 16, 128, 128), (3, 5, 1, 2, 48, 32)])
-def test_gated_delta_over_a_prompt_matches_mlx_lm(B, T, Hk, Hv, Dk, Dv):
+def test_gated_delta_over_a_prompt_matches_mlx_lm(B, T, Hk, Hv, Dk, Dv, isa):
     """A prompt's tokens in one kernel call, left-padded rows masked as the batch generator
     does, against mlx-lm's token-by-token ops: the same outputs and final state."""
     from mlx_lm.models.gated_delta import gated_delta_ops
@@ -697,7 +740,7 @@ def test_decode_steps_normalise_on_the_kernels(loaded_tiny, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("Hk,Hv,masked", [(2, 2, False), (2, 4, False), (2, 4, True)])
-def test_fused_decode_step_is_the_layers_step(Hk, Hv, masked):
+def test_fused_decode_step_is_the_layers_step(Hk, Hv, masked, isa):
     """GatedDeltaNet's decode step in one kernel call (kernels.gdn_decode_step) gives the output
     and the conv and recurrent states of the step-by-step path (conv and SiLU, normalize_qk,
     gates, the delta rule, the gated norm); a masked row leaves its states as they were."""

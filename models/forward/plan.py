@@ -98,6 +98,7 @@ class CpuPlan:
         """For the log and /v1/models: how many projections run each way, and every shape."""
         counts = counts or {}
         return {"source": self.source, "mode": self.mode, "activations": self.activations,
+                "machine": self.machine,  # the kernels' instruction-set path ("isa") among it
                 "packed": counts.get("packed", 0), "dense": counts.get("dense", 0),
                 "dense_bytes": self.dense_bytes,
                 "shapes": [{"out": s.out, "in": s.inp, "bits": s.bits, "group": s.group, "runs": s.runs,

@@ -18,8 +18,10 @@
  * value) and then multiply exactly.
  *
  * Paths: AVX-512 with VBMI (vpermb + vpmultishiftqb unpack any width from the bit stream in three
- * instructions per 64 weights; Zen 4, Ice Lake and later), and portable C for everything else
- * (compiled with target clones for AVX2 and the baseline). Work is split over output rows
+ * instructions per 64 weights; Zen 4, Ice Lake and later); AVX2 with FMA for FLOAT and BLAS
+ * (a broadcast, a byte shuffle and a variable shift unpack 8 weights of any width; Haswell, Zen 1-3
+ * and later); and portable C for everything else (compiled with target clones for AVX2 and the
+ * baseline). Work is split over output rows
  * between a small pool of threads; the GIL is released while they run. Beside the products: the
  * GatedDeltaNet recurrence, its depthwise convolution, SiLU, log-sum-exp, and the affine fit a
  * variant's weights are written with (quant/formats.py). */
@@ -51,6 +53,9 @@
 #define PREFETCH_ROWS 4
 #endif
 #define ROWS 8       /* input rows sharing one dequantized weight vector */
+#ifndef DEQ_TILE_BYTES
+#define DEQ_TILE_BYTES (8 << 20) /* the BLAS mode's dequantized tile */
+#endif
 #define MAX_THREADS 64
 
 typedef struct {
@@ -77,7 +82,7 @@ typedef struct {
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
 
-static int have_avx512 = 0, have_vnni = 0, have_amx = 0;
+static int have_avx512 = 0, have_vnni = 0, have_amx = 0, have_avx2 = 0;
 
 /* ---------------------------------------------------------------- portable path */
 
@@ -449,7 +454,8 @@ typedef struct {
 } TileConfig;
 
 /* Buffers kept per thread, grown as needed and freed when the thread ends: slot 0 for x's parts
- * (at most 3 x TILE_MCHUNK x K x 2 bytes) and 1 for its group sums (the calling thread), 2 for
+ * (at most 3 x TILE_MCHUNK x K x 2 bytes; the BLAS mode's dequantized tile, DEQ_TILE_BYTES) and
+ * 1 for its group sums (the calling thread), 2 for
  * the unpacked panel (TILE_PANEL_BYTES or one block of columns) and 3 for the accumulators (every
  * thread); the panel path (rows_panel) uses them the same way for x16, the panel and its scales. A fresh panel per call came from a fresh mapping, and its page faults cost more
  * than the tile products of a decode batch (a 6144 x 1024 layer, 8 rows: 4.5 ms a call). */
@@ -897,6 +903,222 @@ AMX static void rows_tiles(const Job *j, int64_t u0, int64_t u1) {
 }
 #endif
 
+#ifdef MIXBIT_X86
+static void deq_rows_portable(const Job *j, float *dst, int64_t n0, int64_t n1);
+
+/* ---------------------------------------------------------------- AVX2 path */
+
+/* CPUs with AVX2 and FMA but without AVX-512 VBMI (Zen 2 and 3, Intel's client cores): eight
+ * values of any width are `bits` whole bytes of the stream, and one broadcast load, a byte
+ * shuffle, a variable shift and a mask put value i of them into dword i. The portable path
+ * (GCC's vectorizer over `extract`) ran 15-17x slower than a dense float32 product here, so the
+ * CPU plan served every layer dense; this one reads the packed weights at memory speed. */
+#define AVX2 __attribute__((target("avx2,fma")))
+#define ROWS2 4 /* input rows a pass shares: their partial sums fill AVX2's 16 registers */
+
+typedef struct {
+    __m256i shuf, shift, mask;
+} Unpack8;
+
+AVX2 static void make_unpack8(Unpack8 *u, int bits) {
+    /* dword i holds bytes b..b+3 of the 8-byte chunk (b = i*bits/8; bytes past the chunk are
+     * zero), shifted right by i*bits mod 8; pshufb indexes within each 128-bit half, and the
+     * broadcast chunk sits at bytes 0-7 of both */
+    uint8_t sb[32];
+    uint32_t sh[8];
+    for (int i = 0; i < 8; i++) {
+        const int b0 = (i * bits) >> 3;
+        for (int t = 0; t < 4; t++)
+            sb[(i >> 2) * 16 + (i & 3) * 4 + t] = b0 + t < 8 ? (uint8_t)(b0 + t) : 0x80;
+        sh[i] = (uint32_t)((i * bits) & 7);
+    }
+    u->shuf = _mm256_loadu_si256((const __m256i *)sb);
+    u->shift = _mm256_loadu_si256((const __m256i *)sh);
+    u->mask = _mm256_set1_epi32((int)((1u << bits) - 1u));
+}
+
+/* The 8 values whose `bits` bytes start at p, as floats (reads 8 bytes from p: see row_tail) */
+AVX2 static inline __attribute__((always_inline)) __m256 unpack8(const Unpack8 *u, const uint8_t *p) {
+    int64_t w;
+    memcpy(&w, p, 8);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi64x(w), u->shuf);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, u->shift), u->mask));
+}
+
+AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* unpack8 reads 8 bytes where the last chunk of a row has `bits`: within the matrix for every
+ * row but the last, whose bytes are copied into a buffer with room after them */
+static const uint8_t *row_tail(const Job *j, int64_t n, uint8_t **buf) {
+    const int64_t row_bytes = j->K * j->bits / 8;
+    if (n < j->N - 1 || j->bits == 8) return j->w + n * row_bytes;
+    if (!*buf) {
+        *buf = malloc((size_t)row_bytes + 8);
+        if (!*buf) return NULL;
+        memcpy(*buf, j->w + n * row_bytes, (size_t)row_bytes);
+    }
+    return *buf;
+}
+
+/* the shapes the AVX2 path takes: bfloat16 rows of whole 16-value steps, affine groups of whole
+ * 16-value steps (every recipe's 32, 64, 128) */
+static inline int avx2_fits(const Job *j) {
+    return j->K % 16 == 0 && (j->bits == 16 || (j->group % 16 == 0 && j->K % j->group == 0));
+}
+
+AVX2 static inline __attribute__((always_inline)) void affine_block_avx2(
+        const Job *j, const Unpack8 *u, const uint8_t *wr, int64_t n, const float *xb, const float *xs,
+        float *out, const int MB) {
+    /* as affine_block: the scale once per group, the bias through the group sums of x; two
+     * partial sums per row (even and odd eights of a group) whatever the number of rows, so a
+     * row's result never depends on how many rows share the call */
+    const int64_t K = j->K, ng = K / j->group, row_bytes = K * j->bits / 8;
+    const int g = j->group, bits = j->bits;
+    const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
+    __m256 acc[ROWS2], p0[ROWS2], p1[ROWS2];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const int64_t c0 = gi * g;
+        const uint8_t *pc = wr + (c0 >> 3) * bits;
+        if (MB <= 2)
+            for (int off = 0; off < g * bits / 8; off += 64)
+                _mm_prefetch((const char *)(pc + PREFETCH_ROWS * row_bytes + off), _MM_HINT_T0);
+        for (int m = 0; m < MB; m++) p0[m] = p1[m] = _mm256_setzero_ps();
+        for (int c = 0; c < g; c += 16) {
+            const __m256 q0 = unpack8(u, pc + (c >> 3) * bits);
+            const __m256 q1 = unpack8(u, pc + ((c >> 3) + 1) * bits);
+            for (int m = 0; m < MB; m++) {
+                p0[m] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(xb + m * K + c0 + c), p0[m]);
+                p1[m] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + m * K + c0 + c + 8), p1[m]);
+            }
+        }
+        const __m256 s = _mm256_set1_ps(sr[gi]);
+        for (int m = 0; m < MB; m++) acc[m] = _mm256_fmadd_ps(_mm256_add_ps(p0[m], p1[m]), s, acc[m]);
+    }
+    for (int m = 0; m < MB; m++) {
+        float bias = 0;
+        const float *xsm = xs + m * ng;
+        for (int64_t gi = 0; gi < ng; gi++) bias += br[gi] * xsm[gi];
+        out[m * j->N] = hsum256(acc[m]) + bias;
+    }
+}
+
+AVX2 static inline __attribute__((always_inline)) void bf16_block_avx2(
+        const Job *j, int64_t n, const float *xb, float *out, const int MB) {
+    const int64_t K = j->K;
+    const uint16_t *wr = (const uint16_t *)j->w + n * K;
+    __m256 p0[ROWS2], p1[ROWS2];
+    for (int m = 0; m < MB; m++) p0[m] = p1[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        if (MB <= 2 && (k & 31) == 0) _mm_prefetch((const char *)(wr + PREFETCH_ROWS * K + k), _MM_HINT_T0);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(wr + k));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)), 16));
+        for (int m = 0; m < MB; m++) {
+            p0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb + m * K + k), p0[m]);
+            p1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + m * K + k + 8), p1[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) out[m * j->N] = hsum256(_mm256_add_ps(p0[m], p1[m]));
+}
+
+#define DISPATCH_MB2(call)                                                                     \
+    switch (mb) {                                                                              \
+    case 1: call(1); break; case 2: call(2); break; case 3: call(3); break;                    \
+    default: call(4); break;                                                                   \
+    }
+
+AVX2 static void rows_bf16_avx2(const Job *j, int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < j->M; m0 += ROWS2) {
+        const int mb = (int)(j->M - m0 < ROWS2 ? j->M - m0 : ROWS2);
+        const float *xb = j->x + m0 * j->K;
+        for (int64_t n = n0; n < n1; n++) {
+            float *out = j->out + m0 * j->N + n;
+#define CALL(MB) bf16_block_avx2(j, n, xb, out, MB)
+            DISPATCH_MB2(CALL)
+#undef CALL
+        }
+    }
+}
+
+AVX2 static void rows_affine_avx2(const Job *j, int64_t n0, int64_t n1) {
+    Unpack8 u;
+    make_unpack8(&u, j->bits);
+    uint8_t *tail = NULL;
+    for (int64_t m0 = 0; m0 < j->M; m0 += ROWS2) {
+        const int mb = (int)(j->M - m0 < ROWS2 ? j->M - m0 : ROWS2);
+        const float *xb = j->x + m0 * j->K;
+        const float *xs = j->xsum + m0 * (j->K / j->group);
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *wr = row_tail(j, n, &tail);
+            if (!wr) break; /* no memory for the last row's copy: rows_portable does it below */
+            float *out = j->out + m0 * j->N + n;
+#define CALL(MB) affine_block_avx2(j, &u, wr, n, xb, xs, out, MB)
+            DISPATCH_MB2(CALL)
+#undef CALL
+        }
+    }
+    if (n1 == j->N && !tail && j->bits != 8) rows_portable(j, j->N - 1, j->N);
+    free(tail);
+}
+
+/* gdn_token_avx512 with eight lanes: one token of the gated delta rule for one head */
+AVX2 static void gdn_token_avx2(const float *src, float *dst, const float *q, const float *k, const float *v,
+                                float gs, float beta, float *y, int64_t Dk, int64_t Dv) {
+    const __m256 g = _mm256_set1_ps(gs);
+    for (int64_t r = 0; r < Dv; r++) {
+        const float *s = src + r * Dk;
+        float *o = dst + r * Dk;
+        __m256 kv = _mm256_setzero_ps();
+        for (int64_t i = 0; i < Dk; i += 8)
+            kv = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + i), g), _mm256_loadu_ps(k + i), kv);
+        const __m256 u = _mm256_set1_ps((v[r] - hsum256(kv)) * beta);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < Dk; i += 8) {
+            const __m256 n = _mm256_fmadd_ps(_mm256_loadu_ps(k + i), u, _mm256_mul_ps(_mm256_loadu_ps(s + i), g));
+            _mm256_storeu_ps(o + i, n);
+            acc = _mm256_fmadd_ps(n, _mm256_loadu_ps(q + i), acc);
+        }
+        y[r] = hsum256(acc);
+    }
+}
+
+AVX2 static void deq_rows_avx2(const Job *j, float *dst, int64_t n0, int64_t n1) {
+    const int64_t K = j->K;
+    if (j->bits == 16) {
+        const uint16_t *w = (const uint16_t *)j->w;
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t k = 0; k < K; k += 8)
+                _mm256_storeu_ps(dst + (n - n0) * K + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + n * K + k))), 16)));
+        return;
+    }
+    Unpack8 u;
+    make_unpack8(&u, j->bits);
+    uint8_t *tail = NULL;
+    const int64_t ng = K / j->group;
+    const int g = j->group, bits = j->bits;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = row_tail(j, n, &tail);
+        if (!wr) { deq_rows_portable(j, dst + (n - n0) * K, n, n + 1); continue; }
+        float *d = dst + (n - n0) * K;
+        for (int64_t gi = 0; gi < ng; gi++) {
+            const __m256 s = _mm256_set1_ps(j->scales[n * ng + gi]), b = _mm256_set1_ps(j->biases[n * ng + gi]);
+            for (int c = 0; c < g; c += 8) {
+                const int64_t k = gi * g + c;
+                _mm256_storeu_ps(d + k, _mm256_fmadd_ps(unpack8(&u, wr + (k >> 3) * bits), s, b));
+            }
+        }
+    }
+    free(tail);
+}
+
+#endif
+
 /* ---------------------------------------------------------------- dispatch */
 
 static RowsFn choose(const Job *j, const char **name) {
@@ -909,6 +1131,10 @@ static RowsFn choose(const Job *j, const char **name) {
         (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0))) {
         *name = "avx512";
         return j->bits == 16 ? rows_bf16_avx512 : rows_affine_avx512;
+    }
+    if (have_avx2 && avx2_fits(j)) {
+        *name = "avx2";
+        return j->bits == 16 ? rows_bf16_avx2 : rows_affine_avx2;
     }
 #endif
     *name = "portable";
@@ -977,6 +1203,10 @@ static void deq_part(const Job *j, int64_t n0, int64_t n1) {
 #ifdef MIXBIT_X86
     if (have_avx512 && j->K % 64 == 0 && (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0))) {
         deq_rows_avx512(j, dst, n0, n1);
+        return;
+    }
+    if (have_avx2 && avx2_fits(j)) {
+        deq_rows_avx2(j, dst, n0, n1);
         return;
     }
 #endif
@@ -1048,7 +1278,7 @@ static void gdn_part(const Job *j, int64_t u0, int64_t u1) {
     const Gdn *d = j->ctx;
     const int64_t T = d->T, H = d->H, Dk = d->Dk, Dv = d->Dv;
 #ifdef MIXBIT_X86
-    const int simd = have_avx512 && Dk % 16 == 0;
+    const int simd = have_avx512 && Dk % 16 == 0 ? 2 : have_avx2 && Dk % 8 == 0;
 #endif
     for (int64_t u = u0; u < u1; u++) {
         const int64_t b = u / H, h = u % H;
@@ -1057,9 +1287,12 @@ static void gdn_part(const Job *j, int64_t u0, int64_t u1) {
         for (int64_t t = 0; t < T; t++) {
             const int64_t i = (b * T + t) * H + h;
 #ifdef MIXBIT_X86
-            if (simd)
+            if (simd == 2)
                 gdn_token_avx512(src, dst, d->q + i * Dk, d->k + i * Dk, d->v + i * Dv, d->g[i],
                                  d->beta[i], d->y + i * Dv, Dk, Dv);
+            else if (simd)
+                gdn_token_avx2(src, dst, d->q + i * Dk, d->k + i * Dk, d->v + i * Dv, d->g[i],
+                               d->beta[i], d->y + i * Dv, Dk, Dv);
             else
 #endif
                 gdn_token_portable(src, dst, d->q + i * Dk, d->k + i * Dk, d->v + i * Dv, d->g[i],
@@ -1109,7 +1342,7 @@ static void gdn_step_part(const Job *j, int64_t u0, int64_t u1) {
     const int64_t Hk = d->Hk, Hv = d->Hv, Dk = d->Dk, Dv = d->Dv, rep = Hv / Hk;
     float q[512], k[512], v[512], y[512];
 #ifdef MIXBIT_X86
-    const int simd = have_avx512 && Dk % 16 == 0;
+    const int simd = have_avx512 && Dk % 16 == 0 ? 2 : have_avx2 && Dk % 8 == 0;
 #endif
     for (int64_t u = u0; u < u1; u++) {
         const int64_t bi = u / Hv, h = u % Hv, kh = h / rep, first = h % rep == 0;
@@ -1128,8 +1361,10 @@ static void gdn_step_part(const Job *j, int64_t u0, int64_t u1) {
         const float *src = d->state + u * Dv * Dk;
         float *dst = d->state_out + u * Dv * Dk;
 #ifdef MIXBIT_X86
-        if (simd)
+        if (simd == 2)
             gdn_token_avx512(src, dst, q, k, v, g, beta, y, Dk, Dv);
+        else if (simd)
+            gdn_token_avx2(src, dst, q, k, v, g, beta, y, Dk, Dv);
         else
 #endif
             gdn_token_portable(src, dst, q, k, v, g, beta, y, Dk, Dv);
@@ -1870,10 +2105,16 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     } else
 #endif
     if (mode == 2) {
-        /* dequantize tiles of at most 64 MB on the pool, multiply each with BLAS */
-        int64_t tile = (64 << 20) / (4 * K);
+        /* dequantize tiles of at most DEQ_TILE_BYTES on the pool, multiply each with BLAS; the
+         * tile's buffer is kept by the calling thread (a fresh one per call came from a fresh
+         * mapping, and its page faults cost ~40% of a prompt's product at 0.8B widths) */
+        int64_t tile = DEQ_TILE_BYTES / (4 * K);
         tile = tile < 8 ? 8 : (tile > N ? N : tile);
+#ifdef MIXBIT_X86
+        j.deq_dst = tile_buffer(0, (size_t)(tile * K) * sizeof(float));
+#else
         j.deq_dst = PyMem_RawMalloc((size_t)(tile * K) * sizeof(float));
+#endif
         if (!j.deq_dst) { PyErr_NoMemory(); goto fail_o; }
         Py_BEGIN_ALLOW_THREADS
         for (int64_t n0 = 0; n0 < N; n0 += tile) {
@@ -1884,7 +2125,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                   0.0f, (float *)bo.buf + n0, (int)N);
         }
         Py_END_ALLOW_THREADS
+#ifndef MIXBIT_X86
         PyMem_RawFree(j.deq_dst);
+#endif
     } else {
         const char *name;
         RowsFn fn = choose(&j, &name);
@@ -2080,7 +2323,7 @@ static PyObject *py_fit_affine(PyObject *self, PyObject *args) {
 
 static PyObject *py_info(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
-    return Py_BuildValue("{s:s,s:i,s:i,s:O,s:O}", "isa", have_avx512 ? "avx512-vbmi" : "portable",
+    return Py_BuildValue("{s:s,s:i,s:i,s:O,s:O}", "isa", have_avx512 ? "avx512-vbmi" : have_avx2 ? "avx2" : "portable",
                          "threads", n_threads, "rows_per_pass", ROWS, "vnni",
                          have_vnni ? Py_True : Py_False, "tiles", have_amx ? Py_True : Py_False);
 }
@@ -2098,17 +2341,34 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The instruction sets the kernels use: at most `level` (0 portable C, 1 AVX2, 2 all this CPU
+ * has), so tests check every path a CPU can run */
+static void use_isa(int level) {
+#ifdef MIXBIT_X86
+    have_avx512 = level >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
+    have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
+    have_amx = have_avx512 && amx_enable();
+    have_avx2 = level >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    fit_pick(level == 0);
+}
+
 static PyObject *py_force_portable(PyObject *self, PyObject *args) {
     (void)self;
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#ifdef MIXBIT_X86
-    have_avx512 = on ? 0 : (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl"));
-    have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
-    have_amx = have_avx512 && amx_enable();
-#endif
-    fit_pick(on);
+    use_isa(on ? 0 : 2);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_force_isa(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    const int level = !strcmp(name, "portable") ? 0 : !strcmp(name, "avx2") ? 1 : !strcmp(name, "native") ? 2 : -1;
+    if (level < 0) return PyErr_Format(PyExc_ValueError, "isa must be portable, avx2 or native, not %s", name);
+    use_isa(level);
     Py_RETURN_NONE;
 }
 
@@ -2141,6 +2401,8 @@ static PyMethodDef methods[] = {
     {"info", py_info, METH_NOARGS, "the instruction set path and thread count in use"},
     {"set_threads", py_set_threads, METH_VARARGS, "start the pool with this many threads (once)"},
     {"force_portable", py_force_portable, METH_VARARGS, "use (or stop using) the portable path"},
+    {"force_isa", py_force_isa, METH_VARARGS, "use at most this instruction set: portable, avx2 or native "
+     "(what the CPU has); info() says what runs"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2149,12 +2411,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernel", NULL, -1,
 PyMODINIT_FUNC PyInit__qkernel(void) {
 #ifdef MIXBIT_X86
     __builtin_cpu_init();
-    have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vl");
-    have_vnni = have_avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
-    have_amx = have_avx512 && amx_enable();
 #endif
-    fit_pick(0);
+    /* MIXBIT_KERNEL_ISA=portable|avx2 caps the instruction sets (to compare paths on one CPU) */
+    const char *isa = getenv("MIXBIT_KERNEL_ISA");
+    use_isa(isa && !strcmp(isa, "portable") ? 0 : isa && !strcmp(isa, "avx2") ? 1 : 2);
     const char *spin = getenv("MIXBIT_KERNEL_SPIN_US");
     if (spin) spin_us = atoi(spin);
     return PyModule_Create(&module);
