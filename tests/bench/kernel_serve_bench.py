@@ -18,7 +18,10 @@ each (end-of-text tokens forbidden through logit_bias), temperature 0, one serve
 c=1 (sequential) and c=8. Reported per server: bytes of the weights, c=1 aggregate output tok/s,
 c=1 decode tok/s per request (after the first token), TTFT at c=1 and c=8 (p50), c=8 aggregate
 tok/s, and peak resident memory while serving (VmRSS sampled every 0.2 s). mixbit runs with
-fidelity spot checks off (their bf16 reference is a second model in memory; docs/fidelity.md).
+fidelity spot checks off (their bf16 reference is a second model in memory; docs/fidelity.md) and
+MTP drafting off (random weights accept no drafts; tests/bench/mtp_bench.py measures drafting).
+`--isa native,avx2,portable` serves each variant once per instruction-set path of mixbit's kernels
+(MIXBIT_KERNEL_ISA), to compare them on one CPU in one run.
 """
 
 from __future__ import annotations
@@ -166,6 +169,9 @@ def main(argv=None) -> int:
                          "repacked layouts), for a LLAMA_CPP_DIR built with AMX: such a build "
                          "(-march=native on Sapphire Rapids) crashed in ggml_backend_amx_mul_mat at "
                          "load here; --build-llama leaves AMX out")
+    ap.add_argument("--isa", default="native",
+                    help="comma-separated instruction sets mixbit's kernels may use, one row each: "
+                         "native (all the CPU has), avx2, portable (MIXBIT_KERNEL_ISA)")
     ap.add_argument("--requests", type=int, default=4, help="requests at c=1 (c=8 sends 8)")
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -174,15 +180,20 @@ def main(argv=None) -> int:
     folder, tok, bias = shape_checkpoint(args.shape)
     prompts_c1 = make_prompts(tok, args.requests, args.prompt_tokens, seed=1)
     prompts_c8 = make_prompts(tok, 8, args.prompt_tokens, seed=8)
+    # random weights accept no MTP drafts: decode without them (tests/bench/mtp_bench.py measures
+    # drafting, with a replay draft)
     env_quiet = ["--set", "server.log_level='warning'", "--set", "fidelity.sample_rate=0.0",
-                 "--set", f"model.cache_dir='{CACHE}'"]
+                 "--set", f"model.cache_dir='{CACHE}'", "--set", "generation.mtp=false"]
     servers: list[tuple[str, object, str, str, Path | str]] = []
     for recipe in [v for v in args.variants.split(",") if v]:
-        def make(p, recipe=recipe):
-            return Server(f"mixbit-{recipe}", [sys.executable, "-m", "mixbit.server.cli", "serve",
-                                               "--model", str(folder), "--recipe", recipe,
-                                               "--port", str(p), *env_quiet], p)
-        servers.append((f"mixbit {recipe}", make, "", "/ready", recipe))
+        for isa in [i for i in args.isa.split(",") if i]:
+            def make(p, recipe=recipe, isa=isa):
+                return Server(f"mixbit-{recipe}-{isa}", [sys.executable, "-m", "mixbit.server.cli", "serve",
+                                                         "--model", str(folder), "--recipe", recipe,
+                                                         "--port", str(p), *env_quiet], p,
+                              env={"MIXBIT_KERNEL_ISA": isa})
+            label = f"mixbit {recipe}" + ("" if isa == "native" else f" ({isa} kernels)")
+            servers.append((label, make, "", "/ready", recipe))
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     if "llama" in peers:
         src = build(("llama-server", "llama-quantize")) if args.build_llama else source_tree()

@@ -37,9 +37,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, args: list[str], port: int):
+    def __init__(self, name: str, args: list[str], port: int, env: dict | None = None):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
         if OPENBLAS:
             env["LD_PRELOAD"] = str(OPENBLAS)
         self.log = open(ROOT / ".cache" / f"bench-{name}.log", "w")
