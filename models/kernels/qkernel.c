@@ -18,11 +18,11 @@
  * value) and then multiply exactly.
  *
  * Paths: AVX-512 with VBMI (vpermb + vpmultishiftqb unpack any width from the bit stream in three
- * instructions per 64 weights; Zen 4, Ice Lake and later); AVX2 with FMA for FLOAT and BLAS
- * (a broadcast, a byte shuffle and a variable shift unpack 8 weights of any width; Haswell, Zen 1-3
- * and later); and portable C for everything else (compiled with target clones for AVX2 and the
- * baseline). Work is split over output rows
- * between a small pool of threads; the GIL is released while they run. Beside the products: the
+ * instructions per 64 weights; Zen 4, Ice Lake and later); AVX2 with FMA for FLOAT, BLAS and the
+ * recurrence (a broadcast, a byte shuffle and a variable shift unpack 8 weights of any width; CPUs
+ * from Haswell on without VBMI, Zen 1-3 among them); and portable C for everything else (compiled
+ * with target clones for AVX2 and the baseline). Work is split over output rows between a small
+ * pool of threads; the GIL is released while they run. Beside the products: the
  * GatedDeltaNet recurrence, its depthwise convolution, SiLU, log-sum-exp, and the affine fit a
  * variant's weights are written with (quant/formats.py). */
 
@@ -911,8 +911,8 @@ static void deq_rows_portable(const Job *j, float *dst, int64_t n0, int64_t n1);
 /* CPUs with AVX2 and FMA but without AVX-512 VBMI (Zen 2 and 3, Intel's client cores): eight
  * values of any width are `bits` whole bytes of the stream, and one broadcast load, a byte
  * shuffle, a variable shift and a mask put value i of them into dword i. The portable path
- * (GCC's vectorizer over `extract`) ran 15-17x slower than a dense float32 product here, so the
- * CPU plan served every layer dense; this one reads the packed weights at memory speed. */
+ * (GCC's vectorizer over `extract`) ran 10-21x slower than a dense float32 product here, so the
+ * CPU plan served every layer dense; this one reads large packed layers near memory speed. */
 #define AVX2 __attribute__((target("avx2,fma")))
 #define ROWS2 4 /* input rows a pass shares: their partial sums fill AVX2's 16 registers */
 
