@@ -964,6 +964,11 @@ static const uint8_t *row_tail(const Job *j, int64_t n, uint8_t **buf) {
     return *buf;
 }
 
+/* the shapes the AVX-512 path takes: whole 64-value chunks, power-of-two groups from 32 */
+static inline int avx512_fits(const Job *j) {
+    return j->K % 64 == 0 && (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0));
+}
+
 /* the shapes the AVX2 path takes: bfloat16 rows of whole 16-value steps, affine groups of whole
  * 16-value steps (every recipe's 32, 64, 128) */
 static inline int avx2_fits(const Job *j) {
@@ -1127,8 +1132,7 @@ static RowsFn choose(const Job *j, const char **name) {
         *name = "avx512-vnni";
         return rows_affine_vnni;
     }
-    if (have_avx512 && j->K % 64 == 0 &&
-        (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0))) {
+    if (have_avx512 && avx512_fits(j)) {
         *name = "avx512";
         return j->bits == 16 ? rows_bf16_avx512 : rows_affine_avx512;
     }
@@ -1201,7 +1205,7 @@ static void deq_part(const Job *j, int64_t n0, int64_t n1) {
     /* runs on the pool: rows n0..n1 of the current tile */
     float *dst = j->deq_dst + (n0 - j->deq_row0) * j->K;
 #ifdef MIXBIT_X86
-    if (have_avx512 && j->K % 64 == 0 && (j->bits == 16 || (j->group >= 32 && (j->group & (j->group - 1)) == 0))) {
+    if (have_avx512 && avx512_fits(j)) {
         deq_rows_avx512(j, dst, n0, n1);
         return;
     }
@@ -1273,12 +1277,17 @@ AVX512 static void gdn_token_avx512(const float *src, float *dst, const float *q
 }
 #endif
 
+/* which gdn_token runs a head of Dk keys: 2 AVX-512, 1 AVX2, 0 portable */
+static inline int gdn_simd(int64_t Dk) {
+    return have_avx512 && Dk % 16 == 0 ? 2 : have_avx2 && Dk % 8 == 0;
+}
+
 static void gdn_part(const Job *j, int64_t u0, int64_t u1) {
     /* units u0..u1: (sequence, head) pairs, u = b * H + h */
     const Gdn *d = j->ctx;
     const int64_t T = d->T, H = d->H, Dk = d->Dk, Dv = d->Dv;
 #ifdef MIXBIT_X86
-    const int simd = have_avx512 && Dk % 16 == 0 ? 2 : have_avx2 && Dk % 8 == 0;
+    const int simd = gdn_simd(Dk);
 #endif
     for (int64_t u = u0; u < u1; u++) {
         const int64_t b = u / H, h = u % H;
@@ -1342,7 +1351,7 @@ static void gdn_step_part(const Job *j, int64_t u0, int64_t u1) {
     const int64_t Hk = d->Hk, Hv = d->Hv, Dk = d->Dk, Dv = d->Dv, rep = Hv / Hk;
     float q[512], k[512], v[512], y[512];
 #ifdef MIXBIT_X86
-    const int simd = have_avx512 && Dk % 16 == 0 ? 2 : have_avx2 && Dk % 8 == 0;
+    const int simd = gdn_simd(Dk);
 #endif
     for (int64_t u = u0; u < u1; u++) {
         const int64_t bi = u / Hv, h = u % Hv, kh = h / rep, first = h % rep == 0;
