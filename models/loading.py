@@ -97,13 +97,19 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
         log.warning("CPU: no packed kernels (%s); quantized layers run on MLX's kernels",
                     _kernels_error())
     keep = _bf16_projections(model) if use_kernels else {}
+    keep_groups = _bf16_group_params(model) if use_kernels else {}
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed
-        # weights stay as they are. bfloat16 projections the kernels read are put back.
+        # weights stay as they are. What the kernels read as stored is put back: bfloat16
+        # projections, and the bfloat16 scales and biases of quantized ones (half the bytes of
+        # float32 copies, in memory and in every decode step; layers the plan serves dense cast
+        # them when they dequantize).
         model.set_dtype(target, lambda d: mx.issubdtype(d, mx.floating))
         modules = dict(model.named_modules())
         for p, w in keep.items():
             modules[p].weight = w
+        for p, (scales, biases) in keep_groups.items():
+            modules[p].scales, modules[p].biases = scales, biases
     if not ours:
         if dequantize or (cpu and cpu_quantized in ("auto", "dense")
                           and _dense_bytes(model) <= _physical_memory() // 4):
@@ -191,6 +197,17 @@ def _bf16_projections(model) -> dict:
 
     return {path: m.weight for path, m in model.named_modules()
             if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.bfloat16}
+
+
+def _bf16_group_params(model) -> dict:
+    """bfloat16 (scales, biases) of affine quantized Linear and Embedding layers, by module path,
+    before the cast."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    return {path: (m.scales, m.biases) for path, m in model.named_modules()
+            if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and "biases" in m
+            and getattr(m, "mode", "affine") == "affine" and m.scales.dtype == mx.bfloat16}
 
 
 def _dense_bytes(model) -> int:

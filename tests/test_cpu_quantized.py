@@ -98,6 +98,38 @@ def test_auto_serves_every_layer_dense_or_on_the_kernels_to_the_same_function(un
     assert bool(mx.all(got.argmax(-1) == kernel.argmax(-1)).item())
 
 
+def test_packed_layers_keep_their_stored_bfloat16_scales(u4_folder):
+    """Served packed, a quantized layer keeps its scales and biases as the variant stores them
+    (bfloat16: no float32 copy in memory, half their bytes read in each decode step), and the
+    model computes what it computes with them as float32: identical logits, prompt and decode."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mixbit.models.forward.layers import PackedEmbedding, PackedLinear
+
+    if not kernels.available():
+        pytest.skip(kernels.IMPORT_ERROR)
+    packed = load(resolve("embedded:tiny-qwen3.5"), path=u4_folder, cpu_quantized="packed",
+                  cpu_activations="float32")
+    layers = [m for _, m in packed.model.named_modules()
+              if isinstance(m, (PackedLinear, PackedEmbedding)) and m.bits != 16]
+    assert layers and {(m.scales.dtype, m.biases.dtype) for m in layers} == {(mx.bfloat16, mx.bfloat16)}
+    ids = _prompt(packed)
+
+    def run():
+        cache = make_prompt_cache(packed.model)
+        steps = [packed.model(ids, cache=cache)[:, -1]]
+        for t in (11, 12, 13):
+            steps.append(packed.model(mx.array([[t]]), cache=cache)[:, -1])
+        out = mx.concatenate(steps)
+        mx.eval(out)
+        return out
+
+    stored = run()
+    for m in layers:
+        m.scales, m.biases = m.scales.astype(mx.float32), m.biases.astype(mx.float32)
+    assert bool(mx.array_equal(stored, run()).item())
+
+
 @pytest.mark.parametrize("activations,tolerance", [("float32", 1e-4), ("auto", 1e-3)])
 def test_packed_kernels_compute_the_quantized_function(uniform4, u4_folder, activations, tolerance):
     """"packed": the tied head (4096 x 256, the one projection of this model past the kernels'

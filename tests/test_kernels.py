@@ -71,6 +71,35 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, group, isa):
         np.testing.assert_array_equal(np.array(kernels.matmul(x[:m], w, s, b, bits, group)), alone[:m])
 
 
+def _modes_here():
+    """The matmul modes this CPU runs as themselves (INT16 and the panels need VNNI, TILES AMX)."""
+    modes = [kernels.FLOAT, kernels.BLAS]
+    if kernels.info().get("vnni"):
+        modes += [kernels.INT16, kernels.PANEL, kernels.PANEL8]
+    if kernels.tiles_available():
+        modes.append(kernels.TILES)
+    return modes
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits,group", [(2, 128), (3, 64), (4, 128), (5, 64), (6, 32), (8, 64)])
+def test_bfloat16_scales_as_stored_give_the_float32_products(bits, group, isa):
+    """A variant stores its scales and biases in bfloat16; the kernels read them so (half the
+    bytes of float32 copies, in memory and in every decode row) with bit for bit the products of
+    the same values in float32, in every mode, for decode rows and prompts."""
+    x, w, s, b = _case(40, 128, 512, bits, group, seed=bits)
+    s16, b16 = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    s32, b32 = s16.astype(mx.float32), b16.astype(mx.float32)
+    for mode in _modes_here():
+        for rows in (1, 3, 40):
+            got = np.array(kernels.matmul(x[:rows], w, s16, b16, bits, group, mode=mode))
+            np.testing.assert_array_equal(got, np.array(kernels.matmul(x[:rows], w, s32, b32, bits, group,
+                                                                        mode=mode)))
+    ref = _reference(x, w, s32, b32, bits, group)
+    np.testing.assert_allclose(np.array(kernels.matmul(x, w, s16, b16, bits, group)), ref, rtol=1e-4,
+                               atol=1e-4 * np.abs(ref).max())
+
+
 @needs_kernels
 def test_leading_dimensions_and_dtypes():
     x, w, s, b = _case(6, 40, 256, 4, 64)
@@ -109,6 +138,8 @@ def test_bad_buffers_are_errors_not_crashes():
         q.matmul(x, w, s, b, b"\0" * 128, 2, 16, 128, 4, 64)
     with pytest.raises(ValueError, match="contiguous"):
         q.matmul(x.T, w, s, b, out, 2, 16, 128, 4, 64)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):  # scales and biases of two types
+        q.matmul(x, w, s.astype(mx.bfloat16), b, out, 2, 16, 128, 4, 64)
     a, y = np.ones(64, np.float32), np.empty(64, np.float32)
     with pytest.raises(ValueError, match="b: 128 bytes, expected 256"):
         q.silu(a, a[:32], y, 64)

@@ -86,16 +86,19 @@ class DenseLinear(nn.Linear, Projection):
 
 class _Packed(Projection):
     """The matmul of a projection served on mixbit's kernels from its stored bytes (MLX's packed
-    affine layout with float32 scales and biases, or bfloat16), as its ShapePlan says."""
+    affine layout with bfloat16 or float32 scales and biases, or bfloat16), as its ShapePlan says."""
 
     def _setup(self, source, plan, head: bool):
-        """The stored arrays of `source` (MLX's layer as loaded: quantized with float32 scales
-        and biases here, or bfloat16) and how `plan` (a ShapePlan) says they multiply."""
+        """The stored arrays of `source` (MLX's layer as loaded: quantized with scales and biases
+        as stored if bfloat16, else as float32; or a bfloat16 weight) and how `plan` (a
+        ShapePlan) says they multiply. The kernels read either; MLX's ops here take them as
+        float32 (`_groups`), so every path computes with the same values."""
         self.weight = source["weight"]
         self.bits, self.group_size = 16, 0
         if isinstance(source, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            self.scales = source["scales"].astype(mx.float32)
-            self.biases = source["biases"].astype(mx.float32)
+            keep = source["scales"].dtype == mx.bfloat16
+            self.scales = source["scales"] if keep else source["scales"].astype(mx.float32)
+            self.biases = source["biases"] if keep else source["biases"].astype(mx.float32)
             self.bits, self.group_size = source.bits, source.group_size
         self.decode_mode = plan.decode_mode
         self.prompt_mode = plan.prompt_mode  # None: prompts through MLX's dense matmul
@@ -131,16 +134,22 @@ class _Packed(Projection):
     def _quantized(self) -> bool:
         return self.bits != 16
 
+    def _groups(self, ids=None):
+        """The scales and biases (of the rows `ids`) as float32, for MLX's ops."""
+        s, b = self["scales"], self["biases"]
+        if ids is not None:
+            s, b = s[ids], b[ids]
+        return s.astype(mx.float32), b.astype(mx.float32)
+
     def _dense_weight(self):
         if not self._quantized():
             return self["weight"].astype(mx.float32)
-        return mx.dequantize(self["weight"], self["scales"], self["biases"], group_size=self.group_size,
-                             bits=self.bits)
+        return mx.dequantize(self["weight"], *self._groups(), group_size=self.group_size, bits=self.bits)
 
     def matmul(self, x, phase: str):
         if self._lazy(x, phase):  # never evaluated: the engine's prefill reads no logits
             if self._quantized():
-                return mx.quantized_matmul(x, self["weight"], self["scales"], self["biases"], transpose=True,
+                return mx.quantized_matmul(x, self["weight"], *self._groups(), transpose=True,
                                            group_size=self.group_size, bits=self.bits)
             return mx.matmul(x.astype(mx.float32), self["weight"].astype(mx.float32).T)
         if self._mlx(x, phase):
@@ -176,8 +185,8 @@ class PackedEmbedding(nn.Module, _Packed):
     def __call__(self, ids):
         if not self._quantized():
             return self["weight"][ids].astype(mx.float32)
-        return mx.dequantize(self["weight"][ids], self["scales"][ids], self["biases"][ids],
-                             group_size=self.group_size, bits=self.bits)
+        return mx.dequantize(self["weight"][ids], *self._groups(ids), group_size=self.group_size,
+                             bits=self.bits)
 
     def as_linear(self, x, phase: str | None = None):
         return self.matmul(x, phase_of(x, phase))
@@ -268,8 +277,13 @@ def mlx_quantized(source):
 def dense(source, dtype=None):
     """A dense float projection (DenseLinear, or MLX's Embedding for a table: its as_linear
     takes no phase and needs none) with the weight `source` computes (dequantized if packed)."""
-    if isinstance(source, (nn.QuantizedLinear, nn.QuantizedEmbedding)):  # scales as loaded (the compute dtype)
-        w = mx.dequantize(source["weight"], source["scales"], source.get("biases"), group_size=source.group_size,
+    if isinstance(source, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        # scales as loaded (the compute dtype), or as stored where the loader kept them for the
+        # kernels: then in `dtype`, so the dense weight is what float32 scales give
+        scales, biases = source["scales"], source.get("biases")
+        if dtype is not None:
+            scales, biases = scales.astype(dtype), None if biases is None else biases.astype(dtype)
+        w = mx.dequantize(source["weight"], scales, biases, group_size=source.group_size,
                           bits=source.bits, mode=getattr(source, "mode", "affine"))
     else:
         w = source["weight"]

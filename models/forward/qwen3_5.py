@@ -798,7 +798,7 @@ def build(model: Model, plan=None, *, mlx_quantized_prompts: bool = False, dtype
             if plan is None and mlx_quantized_prompts:
                 swaps.append((path, mlx_quantized(module)))
             else:
-                swaps.append((path, dense(module)))
+                swaps.append((path, dense(module, dtype)))
                 counts["dense"] += sp is not None
         elif isinstance(module, nn.Linear):
             swaps.append((path, dense(module, dtype)))

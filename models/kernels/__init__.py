@@ -155,7 +155,7 @@ def panel_support(n: int, k: int, bits: int, group: int) -> bool:
 
 
 def matmul(x, weight, scales=None, biases=None, bits: int = 16, group_size: int = 0, mode: int = FLOAT):
-    """x[..., K] @ W^T for MLX's packed `weight` (affine, `bits` 2-8, float32 scales/biases)
+    """x[..., K] @ W^T for MLX's packed `weight` (affine, `bits` 2-8, float32 or bfloat16 scales/biases)
     or a bfloat16 `weight` (bits=16). Returns float32 [..., N]. `mode`: FLOAT (float32 FMAs on
     the packed weights, for a few rows), BLAS (dequantized in tiles and multiplied by
     cblas_sgemm, for many rows), TILES (AMX: the unpacked weights times x split exactly into

@@ -2,8 +2,8 @@
  * MLX stores it, so the served weights are used in place (no copy, no repacking):
  *
  *   - affine quantized: `bits` in {2,3,4,5,6,8}, each row a little-endian bit stream of K values
- *     (uint32 words in memory order), one float32 scale and bias per `group` values
- *     (w = q * scale + bias, exactly mx.dequantize);
+ *     (uint32 words in memory order), one scale and bias per `group` values, float32 or bfloat16
+ *     as a variant stores them (w = q * scale + bias, exactly mx.dequantize);
  *   - bfloat16 dense (bits == 16): tensors a recipe keeps unquantized stay 2 bytes a weight.
  *
  * Six modes (the caller's CPU plan picks one per layer shape and number of rows):
@@ -61,8 +61,8 @@
 typedef struct {
     const float *x;       /* [M, K] */
     const uint8_t *w;     /* [N, K*bits/8] or bf16 [N, K] */
-    const float *scales;  /* [N, K/group] */
-    const float *biases;  /* [N, K/group] */
+    const void *scales;   /* [N, K/group], float32 or (sbf) bfloat16 */
+    const void *biases;   /* [N, K/group], as scales */
     float *out;           /* [M, N] */
     const float *xsum;    /* [M, K/group]: sums of x over each group (affine) */
     const int8_t *x8;     /* [2, M, K]: x as 16-bit integers per group, high then low bytes */
@@ -78,7 +78,22 @@ typedef struct {
     int64_t Mp;           /* M padded to whole blocks of rows (tile_rows_padded) */
     const int16_t *x16;   /* the panel path: x [M, K] as 16-bit integers per group (panel_prep_x) */
     const int8_t *xq;     /* the 8-bit panel path: x [M, K] as 8-bit integers per group (panel8_prep_x) */
+    int sbf;              /* scales and biases are bfloat16 (as a variant stores them), else float32 */
 } Job;
+
+/* Scale or bias i of a job: read as stored, bfloat16 (half the bytes a decode row streams
+ * beside its weights) or float32; bfloat16 -> float32 is exact, so the products are the same. */
+static inline float sb_at(const Job *j, const void *p, int64_t i) {
+    if (j->sbf) {
+        const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+#define SCALE(j, i) sb_at((j), (j)->scales, (i))
+#define BIAS(j, i) sb_at((j), (j)->biases, (i))
 
 typedef void (*RowsFn)(const Job *, int64_t, int64_t);
 
@@ -132,7 +147,7 @@ static void rows_portable(const Job *j, int64_t n0, int64_t n1) {
             int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;
             float acc[ROWS] = {0};
             for (int64_t gi = 0; gi < ng; gi++) {
-                const float s = j->scales[n * ng + gi], b = j->biases[n * ng + gi];
+                const float s = SCALE(j, n * ng + gi), b = BIAS(j, n * ng + gi);
                 for (int k = 0; k < g; k++)
                     wbuf[k] = (float)extract(row, gi * g + k, bits) * s + b;
                 for (int64_t m = 0; m < mb; m++) {
@@ -203,7 +218,7 @@ AVX512 static inline __attribute__((always_inline)) void affine_block(
     const int64_t K = j->K, ng = K / j->group;
     const int64_t row_bytes = K * j->bits / 8;
     const uint8_t *wr = j->w + n * row_bytes;
-    const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
+    const int64_t sr = n * ng; /* this row's groups in scales and biases */
     const int g = j->group;
     __m512 acc[ROWS], part[ROWS][4];
     for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
@@ -232,7 +247,7 @@ AVX512 static inline __attribute__((always_inline)) void affine_block(
                             part[m][t % NA] = _mm512_fmadd_ps(
                                 q, _mm512_loadu_ps(xb + m * K + c + 16 * t), part[m][t % NA]);
                     }
-                    const __m512 s = _mm512_set1_ps(sr[(c >> 5) + half]);
+                    const __m512 s = _mm512_set1_ps(SCALE(j, sr + (c >> 5) + half));
                     for (int m = 0; m < MB; m++)
                         for (int a = 0; a < NA; a++) {
                             acc[m] = _mm512_fmadd_ps(part[m][a], s, acc[m]);
@@ -242,7 +257,7 @@ AVX512 static inline __attribute__((always_inline)) void affine_block(
             }
         }
         if (g >= 64) {
-            const __m512 s = _mm512_set1_ps(sr[c0 >> u->gshift]);
+            const __m512 s = _mm512_set1_ps(SCALE(j, sr + (c0 >> u->gshift)));
             for (int m = 0; m < MB; m++) {
                 __m512 t = part[m][0];
                 for (int a = 1; a < NA; a++) t = _mm512_add_ps(t, part[m][a]);
@@ -253,7 +268,7 @@ AVX512 static inline __attribute__((always_inline)) void affine_block(
     for (int m = 0; m < MB; m++) {
         float bias = 0;
         const float *xsm = xs + m * ng;
-        for (int64_t gi = 0; gi < ng; gi++) bias += br[gi] * xsm[gi];
+        for (int64_t gi = 0; gi < ng; gi++) bias += BIAS(j, sr + gi) * xsm[gi];
         out[m * j->N] = _mm512_reduce_add_ps(acc[m]) + bias;
     }
 }
@@ -351,7 +366,7 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
     const int g = j->group;
     const int64_t row_bytes = K * j->bits / 8;
     const uint8_t *wr = j->w + n * row_bytes;
-    const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
+    const int64_t sr = n * ng; /* this row's groups in scales and biases */
     const int8_t *xh = j->x8 + m0 * K, *xl = j->x8 + j->M * K + m0 * K;
     const float *xd = j->xscale + m0 * ng, *xs = j->xsum + m0 * ng;
     __m512 acc[VROWS];
@@ -369,7 +384,7 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
                     il[m] = dpbusd(il[m], v, _mm512_loadu_si512(xl + m * K + c));
                 }
             }
-            const float sg = sr[gi];
+            const float sg = SCALE(j, sr + gi);
             for (int m = 0; m < MB; m++) {
                 __m512i t = _mm512_add_epi32(_mm512_slli_epi32(ih[m], 8), il[m]);
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(sg * xd[m * ng + gi]), acc[m]);
@@ -385,15 +400,15 @@ VNNI static inline __attribute__((always_inline)) void vnni_block(
                 __m512i h = dpbusd(_mm512_setzero_si512(), v, _mm512_loadu_si512(xh + m * K + c));
                 __m512i l = dpbusd(_mm512_setzero_si512(), v, _mm512_loadu_si512(xl + m * K + c));
                 __m512i t = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
-                __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(sr[gi] * xd[m * ng + gi]),
-                                               _mm256_set1_ps(sr[gi + 1] * xd[m * ng + gi + 1]), 1);
+                __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(SCALE(j, sr + gi) * xd[m * ng + gi]),
+                                               _mm256_set1_ps(SCALE(j, sr + gi + 1) * xd[m * ng + gi + 1]), 1);
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sc, acc[m]);
             }
         }
     }
     for (int m = 0; m < MB; m++) {
         float bias = 0;
-        for (int64_t gi = 0; gi < ng; gi++) bias += br[gi] * xs[m * ng + gi];
+        for (int64_t gi = 0; gi < ng; gi++) bias += BIAS(j, sr + gi) * xs[m * ng + gi];
         out[m * j->N] = _mm512_reduce_add_ps(acc[m]) + bias;
     }
 }
@@ -605,8 +620,8 @@ VNNI static void panel_pack(const Job *j, const Unpack *u, int64_t n0, int32_t *
     }
     for (int64_t gi = 0; gi < ng; gi++)
         for (int col = 0; col < PANEL_COLS; col++) {
-            ps[gi * PANEL_COLS + col] = j->scales[(n0 + col) * ng + gi];
-            ps[(ng + gi) * PANEL_COLS + col] = j->biases[(n0 + col) * ng + gi];
+            ps[gi * PANEL_COLS + col] = SCALE(j, (n0 + col) * ng + gi);
+            ps[(ng + gi) * PANEL_COLS + col] = BIAS(j, (n0 + col) * ng + gi);
         }
 }
 
@@ -691,8 +706,8 @@ VNNI static void panel8_pack(const Job *j, const Unpack *u, int64_t n0, int32_t 
         }
     for (int64_t gi = 0; gi < ng; gi++)
         for (int col = 0; col < PANEL_COLS; col++) {
-            ps[gi * PANEL_COLS + col] = j->scales[(n0 + col) * ng + gi];
-            ps[(ng + gi) * PANEL_COLS + col] = j->biases[(n0 + col) * ng + gi];
+            ps[gi * PANEL_COLS + col] = SCALE(j, (n0 + col) * ng + gi);
+            ps[(ng + gi) * PANEL_COLS + col] = BIAS(j, (n0 + col) * ng + gi);
         }
 }
 
@@ -845,8 +860,8 @@ AMX static inline void tiles_group(const Job *j, const uint16_t *wb, const uint3
             float *ar = acc + col * TILE_ROWS + r16;
             __m512 a = _mm512_loadu_ps(ar), c = _mm512_loadu_ps(ct + t * 256 + i * 16);
             if (affine) {
-                a = _mm512_fmadd_ps(c, _mm512_set1_ps(j->scales[n * ng + gi]), a);
-                a = _mm512_fmadd_ps(xs, _mm512_set1_ps(j->biases[n * ng + gi]), a);
+                a = _mm512_fmadd_ps(c, _mm512_set1_ps(SCALE(j, n * ng + gi)), a);
+                a = _mm512_fmadd_ps(xs, _mm512_set1_ps(BIAS(j, n * ng + gi)), a);
             } else {
                 a = _mm512_add_ps(a, c);
             }
@@ -983,7 +998,7 @@ AVX2 static inline __attribute__((always_inline)) void affine_block_avx2(
      * row's result never depends on how many rows share the call */
     const int64_t K = j->K, ng = K / j->group, row_bytes = K * j->bits / 8;
     const int g = j->group, bits = j->bits;
-    const float *sr = j->scales + n * ng, *br = j->biases + n * ng;
+    const int64_t sr = n * ng; /* this row's groups in scales and biases */
     __m256 acc[ROWS2], p0[ROWS2], p1[ROWS2];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < ng; gi++) {
@@ -1001,13 +1016,13 @@ AVX2 static inline __attribute__((always_inline)) void affine_block_avx2(
                 p1[m] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + m * K + c0 + c + 8), p1[m]);
             }
         }
-        const __m256 s = _mm256_set1_ps(sr[gi]);
+        const __m256 s = _mm256_set1_ps(SCALE(j, sr + gi));
         for (int m = 0; m < MB; m++) acc[m] = _mm256_fmadd_ps(_mm256_add_ps(p0[m], p1[m]), s, acc[m]);
     }
     for (int m = 0; m < MB; m++) {
         float bias = 0;
         const float *xsm = xs + m * ng;
-        for (int64_t gi = 0; gi < ng; gi++) bias += br[gi] * xsm[gi];
+        for (int64_t gi = 0; gi < ng; gi++) bias += BIAS(j, sr + gi) * xsm[gi];
         out[m * j->N] = hsum256(acc[m]) + bias;
     }
 }
@@ -1112,7 +1127,7 @@ AVX2 static void deq_rows_avx2(const Job *j, float *dst, int64_t n0, int64_t n1)
         if (!wr) { deq_rows_portable(j, dst + (n - n0) * K, n, n + 1); continue; }
         float *d = dst + (n - n0) * K;
         for (int64_t gi = 0; gi < ng; gi++) {
-            const __m256 s = _mm256_set1_ps(j->scales[n * ng + gi]), b = _mm256_set1_ps(j->biases[n * ng + gi]);
+            const __m256 s = _mm256_set1_ps(SCALE(j, n * ng + gi)), b = _mm256_set1_ps(BIAS(j, n * ng + gi));
             for (int c = 0; c < g; c += 8) {
                 const int64_t k = gi * g + c;
                 _mm256_storeu_ps(d + k, _mm256_fmadd_ps(unpack8(&u, wr + (k >> 3) * bits), s, b));
@@ -1167,7 +1182,7 @@ static void deq_rows_portable(const Job *j, float *dst, int64_t n0, int64_t n1) 
         for (int64_t k = 0; k < K; k++) {
             const int64_t gi = k / j->group;
             dst[(n - n0) * K + k] = (float)extract(j->w + n * row_bytes, k, j->bits) *
-                                        j->scales[n * ng + gi] + j->biases[n * ng + gi];
+                                        SCALE(j, n * ng + gi) + BIAS(j, n * ng + gi);
         }
 }
 
@@ -1193,8 +1208,8 @@ AVX512 static void deq_rows_avx512(const Job *j, float *dst, int64_t n0, int64_t
                 const int64_t gi = (c + 16 * t) >> u.gshift;
                 __m512 q = _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
                     0x1111111111111111ULL, u.widen[t], v));
-                _mm512_storeu_ps(d + c + 16 * t, _mm512_fmadd_ps(q, _mm512_set1_ps(j->scales[n * ng + gi]),
-                                                                 _mm512_set1_ps(j->biases[n * ng + gi])));
+                _mm512_storeu_ps(d + c + 16 * t, _mm512_fmadd_ps(q, _mm512_set1_ps(SCALE(j, n * ng + gi)),
+                                                                 _mm512_set1_ps(BIAS(j, n * ng + gi))));
             }
         }
     }
@@ -2005,12 +2020,15 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if (affine && get_buf(ob, &bb, 0, "biases")) goto fail_s;
     if (get_buf(oo, &bo, 1, "out")) goto fail_b;
     Py_ssize_t wbytes = affine ? (Py_ssize_t)(N * K * bits / 8) : (Py_ssize_t)(N * K * 2);
+    /* scales and biases as float32 or bfloat16 (both the same type) */
+    const Py_ssize_t sgroups = affine ? (Py_ssize_t)(N * (K / group)) : 0;
+    const int sbf = affine && bs.len == 2 * sgroups;
     if (bx.len != (Py_ssize_t)(M * K * 4) || bw.len != wbytes || bo.len != (Py_ssize_t)(M * N * 4) ||
-        (affine && (bs.len != (Py_ssize_t)(N * (K / group) * 4) ||
-                    bb.len != (Py_ssize_t)(N * (K / group) * 4)))) {
+        (affine && ((bs.len != 4 * sgroups && bs.len != 2 * sgroups) || bb.len != bs.len))) {
         PyErr_Format(PyExc_ValueError,
                      "buffer sizes do not match M=%lld N=%lld K=%lld bits=%d group=%d "
-                     "(x %zd, w %zd, out %zd bytes)", M, N, K, bits, group, bx.len, bw.len, bo.len);
+                     "(x %zd, w %zd, out %zd bytes; scales and biases float32 or bfloat16, %zd and %zd bytes)",
+                     M, N, K, bits, group, bx.len, bw.len, bo.len, bs.len, bb.len);
         goto fail_o;
     }
     float *xsum = NULL, *xscale = NULL;
@@ -2057,6 +2075,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
     Job j = {bx.buf, bw.buf, affine ? bs.buf : NULL, affine ? bb.buf : NULL, bo.buf, xsum, x8,
              xscale, NULL, 0, NULL, M, N, K, bits, group};
+    j.sbf = sbf;
 #ifdef MIXBIT_X86
     if (mode == 5) {
         /* as mode 4, with x as 8-bit integers */
@@ -2384,7 +2403,7 @@ static PyObject *py_force_isa(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(x, w, scales, biases, out, M, N, K, bits, group, mode=0): out[M,N] = x[M,K] @ W^T "
-     "for MLX packed W (bits 2-8, affine, float32 scales/biases) or bfloat16 W (bits 16). mode 0: "
+     "for MLX packed W (bits 2-8, affine, float32 or bfloat16 scales/biases) or bfloat16 W (bits 16). mode 0: "
      "float32 FMAs on the packed weights; 1: activations as 16-bit integers per group, exact integer "
      "products (VNNI, where the CPU has it; else as 0); 2: W dequantized in tiles and multiplied by "
      "cblas_sgemm; 3: AMX tiles; 4: the 16-bit activations of 1 against W unpacked into column panels "
