@@ -5,8 +5,10 @@ one tensor alone is quantized - is split into two factors:
 
 - how much a format disturbs the tensor's *output* on real inputs: the activation-weighted error
   E(t, f) = sum_j imp_j * sum_i (W - Q_f(W))_ij^2, with imp_j the mean square of input channel j
-  on the calibration tokens (llama.cpp's importance matrix). It costs one fake-quantization per
-  (tensor, format) and no forward pass; it orders the formats of one tensor.
+  on the calibration tokens (llama.cpp's importance matrix); for a stack of routed experts, each
+  expert's rows under its own importance (the inputs routed to it, weighted by the squared routing
+  weight, per token: `stream.Recorder.observe`). It costs one fake-quantization per (tensor,
+  format) and no forward pass; it orders the formats of one tensor.
 - how much that output disturbance moves the final distribution: alpha(t) = KLD / E, measured by
   a *probe*, the exact ablation at one format (4 bits), run from the tensor's own layer onwards
   on a few calibration rows whose layer inputs were kept from the first pass.
@@ -140,7 +142,11 @@ def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False,
     else:  # rows of a table on disk (quant/checkpoint.Rows): only the sampled ones are read
         flat = w[::stride]
     mx.eval(flat)
-    if stride > 1:
+    per_expert = imp.ndim == 2  # a stack of routed experts [E, out, in]: each row its expert's importance
+    if per_expert:
+        imp = imp[(mx.arange(flat.shape[0]) * stride) // w.shape[-2]]
+        mx.eval(imp)
+    elif stride > 1:
         imp = imp[::stride] if by_row else imp
     # formats side by side on `streams` CPU streams, a pair's temporaries at a time; the same sums
     # as one after the other
@@ -157,6 +163,8 @@ def weighted_errors(w, fmts: list[Format], imp: mx.array, by_row: bool = False,
                     sq = d * d
                     if by_row:
                         sums[fmt.name].append((sq.sum(axis=1) * imp[start:start + ROW_CHUNK]).sum())
+                    elif per_expert:
+                        sums[fmt.name].append((sq * imp[start:start + ROW_CHUNK]).sum())
                     else:
                         sums[fmt.name].append((sq.sum(axis=0) * imp).sum())
         mx.eval(sums)

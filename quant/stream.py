@@ -77,7 +77,8 @@ def float32_linears(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 
 class Recorder(nn.Module):
     """Stands in for a linear layer during a forward: passes through, and accumulates the mean
-    square of its input per input channel (llama.cpp's importance matrix)."""
+    square of its input per input channel (llama.cpp's importance matrix). For a stack of
+    routed experts, one row per expert (`observe`)."""
 
     def __init__(self, inner: nn.Module, stats: dict, key: str):
         super().__init__()
@@ -88,13 +89,29 @@ class Recorder(nn.Module):
         self.observe(x)
         return self.inner(x, *args, **kwargs)
 
-    def observe(self, x) -> None:
+    def observe(self, x, experts: mx.array | None = None, n_experts: int = 0, weights: mx.array | None = None,
+                tokens: float | None = None) -> None:
         """Adds x's rows to the statistics (callers that use `weight` directly, like the MoE
-        block's expert chunks, report their inputs here)."""
+        block's expert chunks, report their inputs here).
+
+        Routed experts: row r went to expert `experts[r]` with routing weight `weights[r]`, and
+        the rows stand for `tokens` tokens. Each expert gets its own importance row, from the
+        rows routed to it, weighted by the squared routing weight (its output enters the block's
+        sum scaled by it), over the tokens: [n_experts, in], zero for an expert no token reached.
+        A stack's quantization error (probe.weighted_errors) is then each expert's error under
+        its own inputs, and a dense linear's and an expert stack's are the same measure, the
+        disturbance of a token's output."""
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-        sq = (flat * flat).sum(axis=0)
+        if experts is None:
+            sq, n = (flat * flat).sum(axis=0), flat.shape[0]
+        else:
+            rows = flat * flat
+            if weights is not None:
+                rows = rows * (weights.reshape(-1, 1).astype(mx.float32) ** 2)
+            sq = mx.zeros((n_experts, flat.shape[1]), dtype=mx.float32).at[experts.reshape(-1)].add(rows)
+            n = flat.shape[0] if tokens is None else tokens
         old = self._stats.get(self._key)
-        self._stats[self._key] = (sq, flat.shape[0]) if old is None else (old[0] + sq, old[1] + flat.shape[0])
+        self._stats[self._key] = (sq, n) if old is None else (old[0] + sq, old[1] + n)
 
     @property
     def weight(self) -> mx.array:

@@ -361,3 +361,72 @@ def test_weighted_errors_on_two_streams_are_the_sums_on_one():
         one = weighted_errors(w, formats_for(256), weights, by_row=by_row, streams=1)
         two = weighted_errors(w, formats_for(256), weights, by_row=by_row, streams=2)
         assert one == two and len(one) == 18 and all(v > 0 for v in one.values())
+
+
+def test_an_expert_stack_weighs_each_experts_error_by_its_own_importance():
+    """A stack of routed experts [E, out, in] with one importance row per expert: each expert's
+    error counts under its own row, so an expert no calibration token reached adds nothing."""
+    from mixbit.quant.formats import Format, fake_quantize
+    from mixbit.quant.probe import weighted_errors
+
+    w = (mx.random.normal((4, 32, 128), key=mx.random.key(3)) * 0.02).astype(mx.bfloat16)
+    imp = mx.random.uniform(shape=(4, 128), key=mx.random.key(4)) * (mx.arange(4) != 2)[:, None]
+    fmts = [Format(3, 64), Format(4, 64)]
+    got = weighted_errors(w, fmts, imp)
+    for fmt in fmts:
+        flat = w.reshape(-1, 128)
+        d = flat.astype(mx.float32) - fake_quantize(flat, fmt).astype(mx.float32)
+        want = float(((d * d).reshape(4, 32, 128).sum(axis=1) * imp).sum().item())
+        assert got[fmt.name] == pytest.approx(want, rel=1e-5)
+    noisy = mx.random.normal((4, 32, 128), key=mx.random.key(5)).astype(mx.bfloat16)
+    unrouted = mx.where((mx.arange(4) == 2)[:, None, None], noisy, w)
+    assert weighted_errors(unrouted, fmts, imp) == got
+    routed = mx.where((mx.arange(4) == 1)[:, None, None], noisy, w)
+    assert all(v > got[k] for k, v in weighted_errors(routed, fmts, imp).items())
+
+
+def test_expert_importance_is_each_experts_routed_inputs_per_token(tiny_moe):
+    """The first pass records, for a stack of routed experts, one importance row per expert: the
+    squares of the inputs routed to it, each times its routing weight squared, over the tokens."""
+    import mlx.nn as nn
+
+    from mixbit.quant.probe import first_pass
+    from mixbit.quant.stream import LayerStream
+
+    stream = LayerStream(tiny_moe)
+    rows = mx.random.randint(0, 1000, (3, 40), key=mx.random.key(7))
+    fp = first_pass(stream, rows)
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x, *args, **kwargs):
+            seen["x"] = x
+            return self.inner(x, *args, **kwargs)
+
+    with stream.layer(0, float32=True) as layer:
+        moe = layer.mlp
+        layer.mlp = Spy(moe)
+        try:
+            stream.apply(0, layer, stream.embed(rows))
+        finally:
+            layer.mlp = moe
+        x = seen["x"].reshape(-1, seen["x"].shape[-1]).astype(mx.float32)
+        gates = mx.softmax(moe.gate(x).astype(mx.float32), axis=-1, precise=True)
+        inds = mx.argpartition(gates, kth=-moe.top_k, axis=-1)[..., -moe.top_k:]
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if moe.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        want = mx.zeros((moe.num_experts, x.shape[1]))
+        for slot in range(moe.top_k):
+            want = want.at[inds[:, slot]].add(x * x * scores[:, slot:slot + 1] ** 2)
+        want = want / x.shape[0]
+    for proj in ("gate_proj", "up_proj"):
+        got = fp.imp[f"{stream.layer_path(0)}.mlp.switch_mlp.{proj}"]
+        assert got.shape == (moe.num_experts, x.shape[1])
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-7).item()
+    down = fp.imp[f"{stream.layer_path(0)}.mlp.switch_mlp.down_proj"]
+    assert down.shape[0] == moe.num_experts and mx.all(down >= 0).item()

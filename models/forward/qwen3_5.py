@@ -361,8 +361,9 @@ class SparseMoeBlock(nn.Module):
             xs = flat[t][:, None, :]
 
             def proj(layer, h):
-                if hasattr(layer, "observe"):  # a wrapper that records its inputs (quantizing)
-                    layer.observe(h)
+                if hasattr(layer, "observe"):  # a wrapper that records its inputs (quantizing): per expert
+                    layer.observe(h, experts=experts + e0, n_experts=self.num_experts, weights=weights[t, k],
+                                  tokens=tok.size / routes.shape[1])
                 e1 = e0 + self.expert_chunk
                 if "scales" in layer:  # quantized experts: this chunk dequantized on its own
                     w = mx.dequantize(layer.weight[e0:e1], layer.scales[e0:e1], layer.biases[e0:e1],
