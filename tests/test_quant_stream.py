@@ -202,11 +202,17 @@ def test_first_start_progress_on_ready_and_metrics(tmp_path):
     assert {"layer", "runtime"} <= set(plans[0]["parts_gb"])
 
 
-def test_memory_of_a_first_start_does_not_grow_with_depth(tmp_path_factory):
+def test_memory_of_a_first_start_does_not_grow_with_depth(tmp_path_factory, monkeypatch):
     """Quantizing reads one layer at a time: MLX's own peak allocation over a whole mixbit-auto
     first start (activations, probes, errors, AWQ + write, check) is the same at 4 and 8 layers
     (the old pipeline kept every layer it had read: 4 more layers, their bytes more)."""
+    from mixbit.quant import probe
     from mixbit.quant.variants import quantize
+
+    # the errors stage estimates from every third row of these 3M-weight tensors, as it does
+    # every tensor past 4M weights at real sizes: its time shrinks (24 -> 13 s at 4 layers),
+    # not what this test measures
+    monkeypatch.setattr(probe, "ERROR_ELEMENTS", 1 << 18)
 
     peaks, sizes = {}, {}
     for n in (4, 8):

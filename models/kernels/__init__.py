@@ -361,8 +361,10 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activati
     import mlx.core as mx
 
     n, k, bits, group = shape_key(module)
+    # the kernels are timed on the groups as the served layer keeps them (bfloat16 as stored, or
+    # float32); dense float32 is what dequantizing with them in float32 gives
     w, s, b = module["weight"], module.get("scales"), module.get("biases")
-    if bits != 16:
+    if bits != 16 and s.dtype != mx.bfloat16:
         s, b = s.astype(mx.float32), b.astype(mx.float32)
     # Dense float32 is timed on at most DENSE_PROBE_BYTES of its rows and scaled to all of them
     # (one row's product streams the weight: its time grows with the bytes): the full dense copy
@@ -370,7 +372,7 @@ def measure(module, rows=(1, 4, 8, 16, 32, 64), budget_s: float = 0.03, activati
     # (the tied head alone is 1 GB in float32).
     part = n if n * k * 4 <= DENSE_PROBE_BYTES else max(1, DENSE_PROBE_BYTES // (k * 4))
     dense = w[:part].astype(mx.float32) if bits == 16 else mx.dequantize(
-        w[:part], s[:part], b[:part], group_size=group, bits=bits)
+        w[:part], s[:part].astype(mx.float32), b[:part].astype(mx.float32), group_size=group, bits=bits)
     mx.eval(dense, s, b)
     prompt = _prompt_paths(n, k, bits, group, activations)
     decode = {"kernel": FLOAT, "int16": INT16}
