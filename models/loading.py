@@ -96,8 +96,7 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
     if cpu and cpu_quantized == "packed" and not use_kernels:
         log.warning("CPU: no packed kernels (%s); quantized layers run on MLX's kernels",
                     _kernels_error())
-    keep = _bf16_projections(model) if use_kernels else {}
-    keep_groups = _bf16_group_params(model) if use_kernels else {}
+    keep = _stored_for_kernels(model) if use_kernels else {}
     if target is not None:
         # Cast floating weights (scales and biases of quantized layers too); integer packed
         # weights stay as they are. What the kernels read as stored is put back: bfloat16
@@ -106,10 +105,8 @@ def load(resolved: ResolvedModel, dtype: str = "auto", path=None, group=None,
         # them when they dequantize).
         model.set_dtype(target, lambda d: mx.issubdtype(d, mx.floating))
         modules = dict(model.named_modules())
-        for p, w in keep.items():
-            modules[p].weight = w
-        for p, (scales, biases) in keep_groups.items():
-            modules[p].scales, modules[p].biases = scales, biases
+        for p, arrays in keep.items():
+            modules[p].update(arrays)
     if not ours:
         if dequantize or (cpu and cpu_quantized in ("auto", "dense")
                           and _dense_bytes(model) <= _physical_memory() // 4):
@@ -190,24 +187,21 @@ def _kernels_error() -> str:
     return kernels.IMPORT_ERROR or "not used"
 
 
-def _bf16_projections(model) -> dict:
-    """bfloat16 weights of Linear and Embedding layers, by module path, before the cast."""
+def _stored_for_kernels(model) -> dict:
+    """What the kernels read as a checkpoint stores it, by module path, before the cast: the
+    weight of bfloat16 Linear and Embedding layers, the scales and biases of affine quantized
+    ones where they are bfloat16."""
     import mlx.core as mx
     import mlx.nn as nn
 
-    return {path: m.weight for path, m in model.named_modules()
-            if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.bfloat16}
-
-
-def _bf16_group_params(model) -> dict:
-    """bfloat16 (scales, biases) of affine quantized Linear and Embedding layers, by module path,
-    before the cast."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    return {path: (m.scales, m.biases) for path, m in model.named_modules()
-            if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and "biases" in m
-            and getattr(m, "mode", "affine") == "affine" and m.scales.dtype == mx.bfloat16}
+    out = {}
+    for path, m in model.named_modules():
+        if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.bfloat16:
+            out[path] = {"weight": m.weight}
+        elif type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and "biases" in m \
+                and getattr(m, "mode", "affine") == "affine" and m.scales.dtype == mx.bfloat16:
+            out[path] = {"scales": m.scales, "biases": m.biases}
+    return out
 
 
 def _dense_bytes(model) -> int:

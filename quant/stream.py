@@ -90,7 +90,7 @@ class Recorder(nn.Module):
         return self.inner(x, *args, **kwargs)
 
     def observe(self, x, experts: mx.array | None = None, n_experts: int = 0, weights: mx.array | None = None,
-                tokens: float | None = None) -> None:
+                tokens: float = 0.0) -> None:
         """Adds x's rows to the statistics (callers that use `weight` directly, like the MoE
         block's expert chunks, report their inputs here).
 
@@ -105,11 +105,9 @@ class Recorder(nn.Module):
         if experts is None:
             sq, n = (flat * flat).sum(axis=0), flat.shape[0]
         else:
-            rows = flat * flat
-            if weights is not None:
-                rows = rows * (weights.reshape(-1, 1).astype(mx.float32) ** 2)
+            rows = flat * flat * (weights.reshape(-1, 1).astype(mx.float32) ** 2)
             sq = mx.zeros((n_experts, flat.shape[1]), dtype=mx.float32).at[experts.reshape(-1)].add(rows)
-            n = flat.shape[0] if tokens is None else tokens
+            n = tokens
         old = self._stats.get(self._key)
         self._stats[self._key] = (sq, n) if old is None else (old[0] + sq, old[1] + n)
 
